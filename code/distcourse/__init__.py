@@ -1,0 +1,26 @@
+"""Companion package of the course *Distributed Training with PyTorch*.
+
+Notebooks call it to start real multi-process runs; see :func:`launch`.
+"""
+
+from . import vision_compat
+
+vision_compat.install()  # before anything imports torchvision; see vision_compat.py
+
+from .hardware import cpu_cores, describe_machine, gpu_count, plan, rank_device  # noqa: E402
+from .launcher import LaunchError, LaunchTimeout, RankFailed, Results, launch, warm_up  # noqa: E402
+
+__version__ = "0.1.0"
+__all__ = [
+    "LaunchError",
+    "LaunchTimeout",
+    "RankFailed",
+    "Results",
+    "cpu_cores",
+    "describe_machine",
+    "gpu_count",
+    "launch",
+    "plan",
+    "rank_device",
+    "warm_up",
+]
