@@ -1,0 +1,29 @@
+# Everything runs inside .venv, created and filled from requirements.txt on first use.
+# `make book` builds the rendered book, `make test` runs the whole test suite.
+PYTHON ?= python3
+VENV := .venv
+PY := $(VENV)/bin/python
+STAMP := $(VENV)/.installed
+
+.PHONY: book test bench times clean
+
+$(STAMP): requirements.txt pyproject.toml
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install --quiet -r requirements.txt
+	$(PY) -m pip install --quiet --no-deps -e .
+	touch $(STAMP)
+
+book: $(STAMP)
+	$(PY) tools/build_book.py
+
+test: $(STAMP)
+	$(PY) -m pytest
+
+bench: $(STAMP)
+	$(PY) benchmarks/launch_bench.py
+
+times: $(STAMP)
+	$(PY) tools/notebook_times.py
+
+clean:
+	rm -rf _build

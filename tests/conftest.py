@@ -1,0 +1,80 @@
+"""Shared fixtures, and a per-notebook execution-time report for nbval runs."""
+
+import csv
+import multiprocessing.forkserver
+import multiprocessing.resource_tracker
+import os
+import pathlib
+import statistics
+import time
+from collections import defaultdict
+
+import psutil
+import pytest
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+
+
+def launcher_helpers() -> set[int]:
+    """Long-lived helpers the launcher may keep: the fork server and the resource tracker."""
+    pids = {
+        getattr(multiprocessing.forkserver._forkserver, "_forkserver_pid", None),
+        getattr(multiprocessing.resource_tracker._resource_tracker, "_pid", None),
+    }
+    return {pid for pid in pids if pid}
+
+
+def stray_processes() -> list[psutil.Process]:
+    helpers = launcher_helpers()
+    return [p for p in psutil.Process().children(recursive=True) if p.pid not in helpers]
+
+
+@pytest.fixture
+def no_leftovers():
+    """Fails the test if it leaves any process behind (checked by listing the process tree)."""
+    before = {p.pid for p in stray_processes()}
+    yield
+    deadline = time.monotonic() + 5
+    while True:
+        left = [p for p in stray_processes() if p.pid not in before]
+        if not left or time.monotonic() > deadline:
+            break
+        time.sleep(0.05)
+    assert not left, f"processes left behind: {[(p.pid, p.name(), p.status()) for p in left]}"
+
+
+# --- notebook execution times -------------------------------------------------------
+# nbval reports one test item per cell; summing them per notebook gives the chapter's
+# execution time. Budget (2 CPU cores): median <= 20 s, max <= 45 s per chapter.
+BUDGET_MEDIAN_S, BUDGET_MAX_S = 20.0, 45.0
+_notebook_seconds: dict[str, float] = defaultdict(float)
+
+
+def pytest_runtest_logreport(report):
+    path = report.nodeid.split("::")[0]
+    if path.endswith(".ipynb"):
+        _notebook_seconds[path] += report.duration
+
+
+def pytest_terminal_summary(terminalreporter):
+    if not _notebook_seconds:
+        return
+    rows = sorted(_notebook_seconds.items())
+    tr = terminalreporter
+    tr.section("notebook execution times")
+    for path, seconds in rows:
+        flag = "  OVER BUDGET" if seconds > BUDGET_MAX_S else ""
+        tr.write_line(f"{seconds:7.1f} s  {path}{flag}")
+    values = [s for _, s in rows]
+    tr.write_line(
+        f"{len(values)} notebooks: median {statistics.median(values):.1f} s (budget {BUDGET_MEDIAN_S:g}), "
+        f"max {max(values):.1f} s (budget {BUDGET_MAX_S:g}), total {sum(values):.1f} s, "
+        f"{os.cpu_count()} cores"
+    )
+    out = ROOT / "_build" / "notebook-times.csv"
+    out.parent.mkdir(exist_ok=True)
+    with out.open("w", newline="") as f:
+        writer = csv.writer(f)
+        writer.writerow(["notebook", "seconds"])
+        writer.writerows((path, f"{seconds:.2f}") for path, seconds in rows)
+    tr.write_line(f"written to {out}")
