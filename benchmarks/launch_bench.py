@@ -57,7 +57,7 @@ def run_spawn(world_size: int) -> float:
         # included), so returning normally means every rank exited with 0.
         mp.spawn(launch_jobs.spawn_job, args=(world_size, port), nprocs=world_size, join=True, start_method="spawn")
     except Exception as exc:
-        fail("mp.spawn", repr(exc))
+        fail("mp.spawn", str(exc))
     return time.perf_counter() - start
 
 

@@ -253,14 +253,14 @@ def launch(
         sentinels = {p.sentinel: rank for rank, p in enumerate(processes)}
         deadline = started + timeout
         while sentinels or pipes:
-            # After every rank has exited, wait only briefly for pipes to drain:
-            # a grandchild (e.g. a DataLoader worker) may still hold one open.
-            remaining = deadline - time.monotonic() if sentinels else 1.0
+            if not sentinels:
+                # Every rank has exited: drain the pipes for at most one more second,
+                # since a grandchild (e.g. a DataLoader worker) may still hold one open.
+                deadline = min(deadline, time.monotonic() + 1.0)
+            remaining = deadline - time.monotonic()
             if remaining <= 0:
                 break
             ready = wait(list(sentinels) + list(conns) + list(pipes), timeout=remaining)
-            if not ready and not sentinels:
-                break
             for obj in ready:
                 if obj in pipes:
                     chunk = os.read(obj, 65536)
@@ -291,7 +291,7 @@ def launch(
                 _stop(processes)
                 for s in list(sentinels):
                     sentinels.pop(s)
-        running = [processes.index(p) for p in processes if p.is_alive()]
+        running = [rank for rank, p in enumerate(processes) if p.is_alive() and failure is None]
     except BaseException:
         _stop(processes)
         _close_all(conns, pipes)

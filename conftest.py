@@ -12,7 +12,7 @@ from collections import defaultdict
 import psutil
 import pytest
 
-ROOT = pathlib.Path(__file__).resolve().parents[1]
+ROOT = pathlib.Path(__file__).resolve().parent
 
 
 def launcher_helpers() -> set[int]:

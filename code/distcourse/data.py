@@ -1,0 +1,243 @@
+"""Datasets and helpers of chapter 01 (data loading with worker processes).
+
+They live in the package, not the notebook, because DataLoader workers started
+with ``spawn`` (macOS, Windows) import the dataset class by name.
+"""
+
+from __future__ import annotations
+
+import os
+import random
+import time
+import warnings
+
+import numpy as np
+import torch
+from torch.utils.data import DataLoader, Dataset, get_worker_info
+
+
+class WhoLoadsMe(Dataset):
+    """Each sample reports its index, the worker that produced it and that worker's PID."""
+
+    def __init__(self, size: int = 12):
+        self.size = size
+
+    def __len__(self):
+        return self.size
+
+    def __getitem__(self, index):
+        info = get_worker_info()
+        worker = info.id if info is not None else -1  # -1: loaded in the main process
+        return {"index": index, "worker": worker, "pid": os.getpid()}
+
+
+def _loader(dataset, **kwargs) -> DataLoader:
+    """A DataLoader that does not warn when its workers outnumber the cores.
+
+    That advice is about CPU-bound loading; the datasets here sleep (like I/O),
+    where more workers than cores is exactly the point, as the throughput
+    measurement in chapter 01 shows. (It warns when built and when iterated.)
+    """
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="This DataLoader will create")
+        return DataLoader(dataset, **kwargs)
+
+
+def _batches(loader):
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="This DataLoader will create")
+        yield from loader
+
+
+def worker_assignment(size=12, batch_size=2, num_workers=3, **loader_kwargs):
+    """One row per batch: which worker built it, from which indices."""
+    loader = _loader(WhoLoadsMe(size), batch_size=batch_size, num_workers=num_workers, **loader_kwargs)
+    rows = []
+    for batch_number, batch in enumerate(_batches(loader)):
+        rows.append(
+            {
+                "batch": batch_number,
+                "worker": sorted(set(batch["worker"].tolist())),
+                "indices": batch["index"].tolist(),
+                "pid": sorted(set(batch["pid"].tolist())),
+            }
+        )
+    return rows
+
+
+class SlowDataset(Dataset):
+    """Samples that take ``delay`` seconds each, like reading and decoding a file.
+
+    The delay is a sleep, so it behaves like I/O: it occupies no core, and
+    workers overlap it even on a 2-core machine. CPU-heavy decoding would
+    scale only up to the number of free cores.
+    """
+
+    def __init__(self, size: int = 96, delay: float = 0.01, features: int = 16):
+        self.size, self.delay, self.features = size, delay, features
+
+    def __len__(self):
+        return self.size
+
+    def __getitem__(self, index):
+        time.sleep(self.delay)
+        return torch.full((self.features,), float(index))
+
+
+def epoch_seconds(loader) -> float:
+    """Wall time of one pass over ``loader``, including starting its workers."""
+    start = time.perf_counter()
+    for _ in _batches(loader):
+        pass
+    return time.perf_counter() - start
+
+
+def throughput(dataset, num_workers: int, batch_size: int = 8, repeats: int = 1, **loader_kwargs) -> float:
+    """Samples per second for one epoch (best of ``repeats``)."""
+    loader = _loader(dataset, batch_size=batch_size, num_workers=num_workers, **loader_kwargs)
+    best = min(epoch_seconds(loader) for _ in range(repeats))
+    return len(dataset) / best
+
+
+class NoisyDigits(Dataset):
+    """scikit-learn's 8x8 digits with random noise added as augmentation.
+
+    The random generator is created once, in ``__init__``. Every worker gets a
+    copy of the dataset object, so without reseeding every worker starts from
+    the same generator state and draws the same "random" noise.
+    """
+
+    def __init__(self, size: int = 16, seed: int = 0, noise: float = 0.5):
+        from sklearn.datasets import load_digits
+
+        digits = load_digits()
+        self.images = torch.tensor(digits.images[:size], dtype=torch.float32) / 16.0
+        self.labels = torch.tensor(digits.target[:size])
+        self.noise = noise
+        self.rng = np.random.default_rng(seed)
+
+    def __len__(self):
+        return len(self.images)
+
+    def __getitem__(self, index):
+        noise = torch.from_numpy(self.rng.normal(0.0, self.noise, size=(8, 8))).float()
+        return self.images[index] + noise, noise, self.labels[index]
+
+
+def reseed_worker(worker_id: int) -> None:
+    """``worker_init_fn`` that gives each worker its own generator.
+
+    ``torch.initial_seed()`` inside a worker is ``base_seed + worker_id``, where
+    ``base_seed`` is drawn from the main process each epoch: distinct per
+    worker and per epoch, and reproducible when the DataLoader gets a seeded
+    ``generator``.
+    """
+    dataset = get_worker_info().dataset
+    dataset.rng = np.random.default_rng(torch.initial_seed() % 2**32)
+
+
+def noise_by_sample(num_workers: int = 2, worker_init_fn=None, seed: int | None = None, size: int = 16):
+    """Load NoisyDigits once; return {sample index: (worker id, noise tensor)}."""
+    dataset = NoisyDigits(size=size)
+    generator = torch.Generator().manual_seed(seed) if seed is not None else None
+    loader = DataLoader(
+        WorkerTagged(dataset),
+        batch_size=1,
+        num_workers=num_workers,
+        worker_init_fn=worker_init_fn,
+        generator=generator,
+        **_fork_if_possible(num_workers),
+    )
+    out = {}
+    for index, worker, (_, noise, _) in loader:
+        out[int(index)] = (int(worker), noise[0])
+    return out
+
+
+def duplicated_noise(samples: dict) -> list[tuple[int, int]]:
+    """Pairs of samples that received exactly the same noise."""
+    keys = sorted(samples)
+    return [(a, b) for i, a in enumerate(keys) for b in keys[i + 1 :] if torch.equal(samples[a][1], samples[b][1])]
+
+
+class WorkerTagged(Dataset):
+    """Wraps a dataset so that each item also says which worker loaded it."""
+
+    def __init__(self, dataset):
+        self.dataset = dataset
+
+    def __len__(self):
+        return len(self.dataset)
+
+    def __getitem__(self, index):
+        info = get_worker_info()
+        return index, (info.id if info else -1), self.dataset[index]
+
+    # reseed_worker looks for .rng on the dataset it is handed
+    @property
+    def rng(self):
+        return self.dataset.rng
+
+    @rng.setter
+    def rng(self, value):
+        self.dataset.rng = value
+
+
+def slow_start(worker_id: int, seconds: float = 0.25) -> None:
+    """``worker_init_fn`` imitating expensive worker set-up (opening files, a tokenizer...)."""
+    time.sleep(seconds)
+
+
+def worker_pids_per_epoch(epochs: int = 3, persistent_workers: bool = False, num_workers: int = 2):
+    """Run ``epochs`` epochs; return the set of worker PIDs and the wall time of each epoch."""
+    loader = DataLoader(
+        WhoLoadsMe(8),
+        batch_size=2,
+        num_workers=num_workers,
+        persistent_workers=persistent_workers,
+        worker_init_fn=slow_start,
+    )
+    pids, seconds = [], []
+    for _ in range(epochs):
+        start = time.perf_counter()
+        pids.append(sorted({int(pid) for batch in loader for pid in batch["pid"]}))
+        seconds.append(time.perf_counter() - start)
+    return pids, seconds
+
+
+def _fork_if_possible(num_workers: int) -> dict:
+    # A worker_init_fn written in a notebook cannot be pickled for "spawn"
+    # workers (the macOS default); "fork" lets the exercises run everywhere it exists.
+    import multiprocessing
+
+    if num_workers > 0 and "fork" in multiprocessing.get_all_start_methods():
+        return {"multiprocessing_context": "fork"}
+    return {}
+
+
+class RandomSources(Dataset):
+    """Draws one number from each random source a dataset might use."""
+
+    def __init__(self, size: int = 2):
+        self.size = size
+        self.rng = np.random.default_rng(0)  # created once, copied into every worker
+
+    def __len__(self):
+        return self.size
+
+    def __getitem__(self, index):
+        info = get_worker_info()
+        return {
+            "worker": info.id if info else -1,
+            "torch": int(torch.randint(2**31, (1,))),
+            "random": random.getrandbits(31),
+            "numpy global": int(np.random.randint(2**31)),
+            "numpy Generator in dataset": int(self.rng.integers(2**31)),
+        }
+
+
+def first_draw_per_worker(num_workers: int = 2) -> dict[str, list[int]]:
+    """For each random source, the first number each worker drew."""
+    loader = _loader(RandomSources(num_workers), batch_size=None, num_workers=num_workers)
+    draws = sorted(_batches(loader), key=lambda d: d["worker"])
+    return {source: [d[source] for d in draws] for source in draws[0] if source != "worker"}

@@ -1,0 +1,30 @@
+"""A first DistributedDataParallel step, used to check that a machine is ready."""
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+from .hardware import rank_device
+
+
+def ddp_step(seed: int = 0, batch_size: int = 8):
+    """One training step of a tiny model under DDP; every rank sees different data.
+
+    Returns what the notebook checks: each rank's loss (different) and its
+    parameters after the step (identical, because DDP averaged the gradients).
+    """
+    rank, device = dist.get_rank(), rank_device()
+    torch.manual_seed(seed)  # same initial weights everywhere (DDP also broadcasts rank 0's)
+    model = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 1)).to(device)
+    ddp = DDP(model, device_ids=[device.index] if device.type == "cuda" else None)
+    optimizer = torch.optim.SGD(ddp.parameters(), lr=0.1)
+
+    generator = torch.Generator().manual_seed(1000 + rank)  # a different shard of data per rank
+    x = torch.randn(batch_size, 8, generator=generator).to(device)
+    y = torch.randn(batch_size, 1, generator=generator).to(device)
+    loss = nn.functional.mse_loss(ddp(x), y)
+    loss.backward()  # DDP all-reduces (averages) the gradients during backward
+    optimizer.step()
+    print(f"rank {rank}/{dist.get_world_size()} on {device} ({dist.get_backend()}): loss {loss.item():.4f}")
+    return {"loss": loss.item(), "params": [p.detach().cpu() for p in model.parameters()]}

@@ -1,0 +1,107 @@
+"""Keep every notebook's header cell and Colab setup in line with `_config.yml`.
+
+The repository URL and branch live only in `_config.yml`. This tool rewrites,
+in every `chapters/<lang>/*.ipynb`:
+
+* the first cell: the title line is kept; below it, the "Open in Colab" badge
+  for this very file and links to the same chapter in the other languages
+  that exist;
+* the `COURSE_REPO = ...` / `COURSE_BRANCH = ...` lines of the setup cell.
+
+    python tools/headers.py          # rewrite
+    python tools/headers.py --check  # exit 1 if any notebook is out of date
+"""
+
+from __future__ import annotations
+
+import argparse
+import pathlib
+import re
+import sys
+
+import nbformat
+import yaml
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+LANGUAGES = {  # folder: name of the language in that language
+    "en": "English",
+    "ru": "Русский",
+    "zh-CN": "简体中文",
+    "zh-TW": "繁體中文",
+    "pt-BR": "Português (Brasil)",
+    "ko": "한국어",
+}
+OTHER_LANGUAGES_LABEL = {
+    "en": "Other languages",
+    "ru": "Другие языки",
+    "zh-CN": "其他语言",
+    "zh-TW": "其他語言",
+    "pt-BR": "Outros idiomas",
+    "ko": "다른 언어",
+}
+BADGE = "https://colab.research.google.com/assets/colab-badge.svg"
+
+
+def repository(root: pathlib.Path = ROOT) -> tuple[str, str]:
+    config = yaml.safe_load((root / "_config.yml").read_text(encoding="utf-8"))
+    repo = config["repository"]
+    return repo["url"].rstrip("/"), repo.get("branch", "main")
+
+
+def colab_url(notebook: pathlib.Path, root: pathlib.Path = ROOT) -> str:
+    url, branch = repository(root)
+    github_path = url.split("github.com/", 1)[1]
+    return f"https://colab.research.google.com/github/{github_path}/blob/{branch}/{notebook.relative_to(root).as_posix()}"
+
+
+def header_markdown(notebook: pathlib.Path, title: str, root: pathlib.Path = ROOT) -> str:
+    lang = notebook.parent.name
+    lines = [title, "", f"[![Open In Colab]({BADGE})]({colab_url(notebook, root)})"]
+    links = [
+        f"[{name}](../{other}/{notebook.name})"
+        for other, name in LANGUAGES.items()
+        if other != lang and (root / "chapters" / other / notebook.name).exists()
+    ]
+    if links:
+        lines += ["", f"**{OTHER_LANGUAGES_LABEL[lang]}:** " + " · ".join(links)]
+    return "\n".join(lines)
+
+
+def notebooks(root: pathlib.Path = ROOT) -> list[pathlib.Path]:
+    return sorted((root / "chapters").glob("*/[0-9][0-9]-*.ipynb"))
+
+
+def update(notebook: pathlib.Path, root: pathlib.Path = ROOT) -> bool:
+    """Rewrite the header and setup cells; True if the file changed."""
+    nb = nbformat.read(notebook, as_version=4)
+    header = nb.cells[0]
+    title = header.source.splitlines()[0]
+    header.source = header_markdown(notebook, title, root)
+    url, branch = repository(root)
+    setup = nb.cells[1]
+    setup.source = re.sub(r'(?m)^COURSE_REPO = .*$', f'COURSE_REPO = "{url}.git"', setup.source)
+    setup.source = re.sub(r'(?m)^COURSE_BRANCH = .*$', f'COURSE_BRANCH = "{branch}"', setup.source)
+    text = nbformat.writes(nb) + "\n"
+    if text == notebook.read_text(encoding="utf-8"):
+        return False
+    notebook.write_text(text, encoding="utf-8")
+    return True
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--check", action="store_true", help="report, do not write")
+    args = parser.parse_args()
+    stale = []
+    for nb in notebooks():
+        before = nb.read_text(encoding="utf-8")
+        if update(nb) and args.check:
+            stale.append(nb)
+            nb.write_text(before, encoding="utf-8")
+    for nb in stale:
+        print(f"out of date: {nb.relative_to(ROOT)} (run python tools/headers.py)")
+    return 1 if stale else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
