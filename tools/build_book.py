@@ -10,11 +10,13 @@ notebook's cached outputs on its code cells only, and Sphinx re-reads only noteb
 file changed. An edit to `code/distcourse/*.py` changes neither, so the pages would keep the
 outputs of the old code. We therefore fingerprint everything outside the notebooks that can
 change their outputs; when the fingerprint moves, the execution cache is dropped and every
-page is re-read (and so every notebook re-executed). Otherwise the build stays incremental.
+page is re-read (and so every notebook re-executed). Otherwise the build stays incremental
+(a no-change rebuild takes about a second).
 """
 import argparse
 import hashlib
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -30,7 +32,11 @@ JUPYTER_BOOK = Path(sys.executable).with_name("jupyter-book")
 # Files besides code/**/*.py whose changes can change what the notebooks print.
 INPUT_FILES = ("requirements.txt", "pyproject.toml", "_config.yml")
 FINGERPRINT_FILE = ".code-fingerprint"
-TAIL_LINES = 60
+# Where a failure shows up in the log: Sphinx warnings/errors and Python tracebacks.
+PROBLEM = re.compile(r"WARNING:|ERROR:|CRITICAL:|Exception occurred|Traceback \(most recent")
+HEAD_LINES, TAIL_LINES = 100, 40
+# Sphinx colours its log even into a file (Jupyter Book never switches colour off).
+ANSI_ESCAPE = re.compile(r"\x1b\[[0-9;]*m")
 
 
 def fingerprint(root: Path) -> str:
@@ -43,14 +49,33 @@ def fingerprint(root: Path) -> str:
     # Same code, other interpreter or core count: outputs can differ (e.g. worker counts
     # derived from the cores, version-dependent behaviour), so these count as inputs too.
     lines.append(f"python {sys.version}")
-    lines.append(f"cpus {len(os.sched_getaffinity(0))}")
+    cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+    lines.append(f"cpus {cpus}")
     return hashlib.sha256("\n".join(lines).encode()).hexdigest()
+
+
+def print_failure(rc: int, log_path: Path) -> None:
+    """Print the log from its first problem on (shortened in the middle if long).
+
+    A plain tail is not enough: when a notebook cell fails, the cell's own traceback is
+    followed by ~60 lines of Sphinx/click traceback that say nothing about the cause.
+    """
+    lines = ANSI_ESCAPE.sub("", log_path.read_text(errors="replace")).splitlines()
+    first = next((i for i, line in enumerate(lines) if PROBLEM.search(line)),
+                 max(0, len(lines) - TAIL_LINES))
+    shown = lines[first:]
+    if len(shown) > HEAD_LINES + TAIL_LINES:
+        skipped = len(shown) - HEAD_LINES - TAIL_LINES
+        shown = shown[:HEAD_LINES] + [f"[... {skipped} lines skipped ...]"] + shown[-TAIL_LINES:]
+    print(f"\nBuild FAILED (exit code {rc}). Full log: {log_path}", file=sys.stderr)
+    print(*shown, sep="\n", file=sys.stderr)
 
 
 def jupyter_book(root: Path, out: Path, config: Path, extra: list) -> int:
     """Run `jupyter-book build`; HTML lands in out/_build/html. Returns its exit code.
 
-    The full log goes to out/_build/build.log; only its tail is shown, on failure.
+    The full log goes to out/_build/build.log; it is shown (from its first problem) only
+    on failure.
     """
     log_path = out / "_build" / "build.log"
     log_path.parent.mkdir(parents=True, exist_ok=True)
@@ -60,40 +85,53 @@ def jupyter_book(root: Path, out: Path, config: Path, extra: list) -> int:
     with open(log_path, "w") as log:
         rc = subprocess.run(cmd, cwd=root, stdout=log, stderr=subprocess.STDOUT).returncode
     if rc != 0:
-        lines = log_path.read_text(errors="replace").splitlines()
-        # With --keep-going the warnings that failed the build can sit far above the tail.
-        problems = [line for line in lines[:-TAIL_LINES]
-                    if any(k in line for k in ("WARNING", "ERROR", "CRITICAL"))]
-        print(f"\nBuild FAILED (exit code {rc}). Full log: {log_path}", file=sys.stderr)
-        if problems:
-            print("--- warnings/errors before the tail ---", *problems, sep="\n", file=sys.stderr)
-        print(f"--- last {TAIL_LINES} lines ---", *lines[-TAIL_LINES:], sep="\n", file=sys.stderr)
+        print_failure(rc, log_path)
     return rc
 
 
+def read_stamp(path: Path):
+    return path.read_text().strip() if path.is_file() else None
+
+
 def build_executed(root: Path) -> int:
-    """Cached execution into root/_build/html, re-executing everything when code changed."""
+    """Cached execution into root/_build/html, re-executing everything when code changed.
+
+    Two stamps, because the cache and the pages go stale separately:
+      _build/.code-fingerprint            inputs the rendered pages reflect; written only
+                                          after a successful build
+      _build/.jupyter_cache.fingerprint   inputs the cached outputs were produced with
+    After a failed build (say, one broken cross-reference) the cache already holds outputs
+    of the current code, so the retry re-reads every page but re-executes nothing cached.
+    """
     build = root / "_build"
-    stamp = build / FINGERPRINT_FILE
+    pages_stamp = build / FINGERPRINT_FILE
+    cache_stamp = build / ".jupyter_cache.fingerprint"
     new = fingerprint(root)
-    old = stamp.read_text().strip() if stamp.is_file() else None
     extra = []
-    if new != old:
-        print("Code/config changed since the last successful build (or first build):"
-              " clearing the execution cache and re-executing every notebook.")
-        # The stamp claims "the HTML matches these inputs". Remove it first: if this build
-        # fails half-way and the code is then reverted, the next build must still be full.
-        stamp.unlink(missing_ok=True)
+    if read_stamp(cache_stamp) != new:
+        print("Code or config changed: clearing the execution cache.")
+        # jupyter-cache keys on code cells only; it would serve outputs of the old code.
         shutil.rmtree(build / ".jupyter_cache", ignore_errors=True)
-        extra.append("--all")  # Sphinx would otherwise skip the unchanged notebooks
+        build.mkdir(parents=True, exist_ok=True)
+        cache_stamp.write_text(new + "\n")
+    if read_stamp(pages_stamp) != new:
+        print("Pages may show outputs of other code: re-reading every page (--all).")
+        # Sphinx re-reads only changed files; --all makes it re-read every notebook (which
+        # then runs or comes from the fresh cache). Drop the stamp first: if this build fails
+        # half-way and the code is reverted, the next build must still be a full one.
+        pages_stamp.unlink(missing_ok=True)
+        extra.append("--all")
     rc = jupyter_book(root, root, root / "_config.yml", extra)
-    if rc == 0 and new != old:
-        stamp.write_text(new + "\n")
+    if rc == 0 and extra:
+        pages_stamp.write_text(new + "\n")
     return rc
 
 
 def build_unexecuted(root: Path, out: Path) -> int:
-    """Render with execution off into out/_build/html; never touches root/_build."""
+    """Render with execution off into out/_build/html.
+
+    Separate output, doctrees and (unused) cache: the main build in _build/html stays as is.
+    """
     out.mkdir(parents=True, exist_ok=True)
     # Jupyter Book's CLI cannot override single settings, so build from a modified copy of
     # the config. Its only setting resolved relative to the config file's folder is

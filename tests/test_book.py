@@ -1,0 +1,119 @@
+"""The book builds, and its executed pages follow changes in the code they import.
+
+Both tests go through tools/build_book.py, the same entry point as `make book`.
+"""
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import nbformat
+import pytest
+
+REPO_ROOT = Path(__file__).resolve().parent.parent
+
+
+def build_book(*args, timeout=240):
+    """Run tools/build_book.py; fail with the tail of its output. Returns (stdout, seconds).
+
+    timeout stays below pytest-timeout's 300 s so a hang reports the build, not pytest.
+    """
+    start = time.perf_counter()
+    result = subprocess.run(
+        [sys.executable, "tools/build_book.py", *map(str, args)],
+        cwd=REPO_ROOT, capture_output=True, text=True, timeout=timeout,
+    )
+    seconds = time.perf_counter() - start
+    if result.returncode != 0:
+        tail = "\n".join((result.stdout + result.stderr).splitlines()[-100:])
+        pytest.fail(f"build_book.py {' '.join(map(str, args))} exited with "
+                    f"{result.returncode}; last lines of its output:\n{tail}")
+    return result.stdout, seconds
+
+
+def mtime(path: Path):
+    return path.stat().st_mtime_ns if path.exists() else None
+
+
+def test_book_builds_without_execution(tmp_path):
+    # The main build's output and cache must survive a test build.
+    main_build = [REPO_ROOT / "_build/html/index.html", REPO_ROOT / "_build/.jupyter_cache"]
+    before = [mtime(p) for p in main_build]
+
+    stdout, seconds = build_book("--no-execute", "--output", tmp_path)
+    print(f"\nno-execute build of the book: {seconds:.1f} s")
+
+    html = tmp_path / "_build" / "html"
+    assert stdout.splitlines()[-1] == str(html / "index.html")
+    assert (html / "index.html").is_file()
+    assert (html / "chapters/en/01-dataloader-workers.html").is_file()
+    # Execution off means the execution cache is never even opened.
+    assert not (tmp_path / "_build" / ".jupyter_cache").exists()
+    assert [mtime(p) for p in main_build] == before
+    assert seconds <= 60, f"no-execute build took {seconds:.1f} s, budget is 60 s"
+
+
+TINY_CONFIG = """\
+title: Cache test book
+author: tests
+only_build_toc_files: true
+exclude_patterns: [_build, code]
+execute:
+  execute_notebooks: cache
+  timeout: 120
+sphinx:
+  config:
+    nb_execution_raise_on_error: true
+"""
+
+TINY_TOC = """\
+format: jb-book
+root: index
+chapters:
+  - file: page
+"""
+
+
+def write_tiny_book(root: Path):
+    (root / "_config.yml").write_text(TINY_CONFIG)
+    (root / "_toc.yml").write_text(TINY_TOC)
+    (root / "index.md").write_text("# Tiny book\n\nOne executed page.\n")
+    (root / "code").mkdir()
+    (root / "code" / "marker.py").write_text('VALUE = "first-value"\n')
+    nb = nbformat.v4.new_notebook()
+    nb.metadata["kernelspec"] = {"name": "python3", "display_name": "Python 3",
+                                 "language": "python"}
+    nb.cells = [
+        nbformat.v4.new_markdown_cell("# Page"),
+        # Notebooks run in their own folder (the book root here), so "code" resolves.
+        nbformat.v4.new_code_cell('import sys; sys.path.insert(0, "code"); import marker; '
+                                  'print(marker.VALUE)'),
+        # Shows which interpreter ran the kernel: it must be the one running the tests.
+        nbformat.v4.new_code_cell('print("kernel-prefix:", sys.prefix)'),
+    ]
+    nbformat.write(nb, root / "page.ipynb")
+
+
+@pytest.mark.slow
+def test_cache_follows_code_changes(tmp_path):
+    write_tiny_book(tmp_path)
+    page = tmp_path / "_build" / "html" / "page.html"
+
+    _, first = build_book("--root", tmp_path)
+    html = page.read_text()
+    assert "first-value" in html
+    assert f"kernel-prefix: {sys.prefix}" in html
+
+    # The notebook is unchanged, so only the fingerprint of code/ can trigger this rerun.
+    (tmp_path / "code" / "marker.py").write_text('VALUE = "second-value"\n')
+    _, second = build_book("--root", tmp_path)
+    html = page.read_text()
+    assert "second-value" in html
+    assert "first-value" not in html
+
+    stdout, unchanged = build_book("--root", tmp_path)
+    print(f"\ntiny book: first build {first:.1f} s, after code change {second:.1f} s, "
+          f"no-change rebuild {unchanged:.1f} s")
+    assert "second-value" in page.read_text()
+    assert "--all" not in stdout, "nothing changed, the rebuild should be incremental"
+    assert unchanged <= 10, f"no-change rebuild took {unchanged:.1f} s, target is 10 s"
