@@ -13,6 +13,7 @@ import os
 import pickle
 import sys
 import threading
+import time
 import traceback
 
 import torch
@@ -51,29 +52,56 @@ def _redirect_output(output) -> None:
     sys.stderr.reconfigure(line_buffering=True)
 
 
+class _Reporter:
+    """Sends the rank's one reply to the parent: ("ok", value) or ("error", traceback, time)."""
+
+    def __init__(self, conn, rank: int):
+        self.conn, self.rank, self.sent = conn, rank, False
+
+    def error(self) -> None:
+        self._send(("error", traceback.format_exc(), time.time()))
+
+    def ok(self, value) -> None:
+        try:
+            payload = pickle.dumps(("ok", value))
+        except Exception as exc:  # the return value itself cannot travel back
+            message = f"rank {self.rank} returned a value that cannot be pickled: {exc!r}\n"
+            raise RuntimeError(message) from None
+        self._send(payload)
+
+    def _send(self, reply) -> None:
+        if self.sent:
+            return
+        self.sent = True
+        sys.stdout.flush()
+        sys.stderr.flush()
+        _finished.set()
+        self.conn.send_bytes(reply if isinstance(reply, bytes) else pickle.dumps(reply))
+
+
 def run_rank(rank: int, task: dict, conn, output) -> None:
     _redirect_output(output)
     threading.Thread(target=_watch_parent, args=(conn,), daemon=True).start()
-    exit_code = 0
+    reporter = _Reporter(conn, rank)
     try:
-        reply = ("ok", _run(rank, task))
-        try:
-            payload = pickle.dumps(reply)
-        except Exception as exc:  # the return value itself cannot travel back
-            reply = ("error", f"rank {rank} returned a value that cannot be pickled: {exc!r}\n")
-            payload = pickle.dumps(reply)
-            exit_code = 1
+        reporter.ok(_run(rank, task, reporter))
     except BaseException:  # SystemExit and KeyboardInterrupt in a rank are failures too
-        payload = pickle.dumps(("error", traceback.format_exc()))
-        exit_code = 1
-    sys.stdout.flush()
-    sys.stderr.flush()
-    _finished.set()
-    conn.send_bytes(payload)
-    sys.exit(exit_code)
+        reporter.error()
+        sys.exit(1)
 
 
-def _run(rank: int, task: dict):
+def _call(fn, args, kwargs, reporter):
+    try:
+        return fn(*args, **kwargs)
+    except BaseException:
+        # Report before the process group is torn down: once this rank leaves,
+        # the others fail too ("connection closed by peer"), and the parent
+        # must hear about the cause first.
+        reporter.error()
+        raise
+
+
+def _run(rank: int, task: dict, reporter):
     world_size = task["world_size"]
     os.environ.update(
         {
@@ -93,7 +121,7 @@ def _run(rank: int, task: dict):
     torch.set_num_threads(task["threads"])
     fn, args, kwargs = pickle.loads(task["payload"])
     if not task["init_process_group"]:
-        return fn(*args, **kwargs)
+        return _call(fn, args, kwargs, reporter)
 
     timeout = datetime.timedelta(seconds=task["collective_timeout"])
     if task["backend"] == "nccl":
@@ -107,7 +135,7 @@ def _run(rank: int, task: dict):
             world_size=world_size,
             timeout=timeout,
         )
-        return fn(*args, **kwargs)
+        return _call(fn, args, kwargs, reporter)
     finally:
         if dist.is_initialized():
             dist.destroy_process_group()

@@ -249,9 +249,39 @@ def launch(
             conns[parent_end] = rank
             pipes[read_fd] = rank
 
-        failure = None  # (rank, detail)
+        failures: dict[int, tuple[float, str]] = {}  # rank -> (when, what)
         sentinels = {p.sentinel: rank for rank, p in enumerate(processes)}
         deadline = started + timeout
+
+        def handle(obj) -> None:
+            if obj in pipes:
+                rank, chunk = pipes[obj], os.read(obj, 65536)
+                if chunk:
+                    outputs[rank] += chunk
+                    if stream:
+                        say(_labelled(rank, chunk.decode(errors="replace")))
+                else:
+                    del pipes[obj]
+                    os.close(obj)
+            elif obj in conns:
+                rank = conns.pop(obj)
+                try:
+                    replies[rank] = reply = pickle.loads(obj.recv_bytes())
+                    if reply[0] == "error":
+                        failures.setdefault(rank, (reply[2], reply[1]))
+                except (EOFError, OSError):
+                    pass
+                obj.close()
+            elif obj in sentinels:
+                rank = sentinels.pop(obj)
+                p = processes[rank]
+                p.join()
+                for conn in [c for c, r in conns.items() if r == rank and c.poll(0)]:
+                    handle(conn)
+                if (p.exitcode != 0 or rank not in replies) and rank not in failures:
+                    # Died without a word (signal, os._exit): nothing happened before it.
+                    failures[rank] = (float("-inf"), _describe_failure(rank, p.exitcode, replies.get(rank)))
+
         while sentinels or pipes:
             if not sentinels:
                 # Every rank has exited: drain the pipes for at most one more second,
@@ -260,37 +290,19 @@ def launch(
             remaining = deadline - time.monotonic()
             if remaining <= 0:
                 break
-            ready = wait(list(sentinels) + list(conns) + list(pipes), timeout=remaining)
-            for obj in ready:
-                if obj in pipes:
-                    chunk = os.read(obj, 65536)
-                    rank = pipes[obj]
-                    if chunk:
-                        outputs[rank] += chunk
-                        if stream:
-                            say(_labelled(rank, chunk.decode(errors="replace")))
-                    else:
-                        del pipes[obj]
-                        os.close(obj)
-                elif obj in conns:
-                    rank = conns.pop(obj)
-                    try:
-                        replies[rank] = pickle.loads(obj.recv_bytes())
-                    except (EOFError, OSError):
-                        pass
-                    obj.close()
-                elif obj in sentinels:
-                    rank = sentinels.pop(obj)
-                    p = processes[rank]
-                    p.join()
-                    _drain_reply(rank, conns, replies)
-                    reply = replies.get(rank)
-                    if failure is None and (p.exitcode != 0 or reply is None or reply[0] != "ok"):
-                        failure = (rank, _describe_failure(rank, p.exitcode, reply))
-            if failure is not None and sentinels:
+            for obj in wait(list(sentinels) + list(conns) + list(pipes), timeout=remaining):
+                handle(obj)
+            if failures and sentinels:
+                # One failure makes the others fail too (their peer vanished). Collect
+                # what has already arrived, then blame the earliest, and stop the rest.
+                for obj in wait(list(sentinels) + list(conns), timeout=0.2):
+                    handle(obj)
                 _stop(processes)
-                for s in list(sentinels):
-                    sentinels.pop(s)
+                sentinels.clear()
+        failure = None
+        if failures:
+            rank = min(failures, key=lambda r: (failures[r][0], r))
+            failure = (rank, failures[rank][1])
         running = [rank for rank, p in enumerate(processes) if p.is_alive() and failure is None]
     except BaseException:
         _stop(processes)
@@ -312,18 +324,6 @@ def launch(
     results = Results(replies[rank][1] for rank in range(world_size))
     results.seconds, results.plan, results.outputs = seconds, the_plan, text
     return results
-
-
-def _drain_reply(rank, conns, replies) -> None:
-    for conn, r in list(conns.items()):
-        if r == rank:
-            if conn.poll(0):
-                try:
-                    replies[rank] = pickle.loads(conn.recv_bytes())
-                except (EOFError, OSError):
-                    pass
-            conns.pop(conn)
-            conn.close()
 
 
 def _describe_failure(rank: int, exitcode, reply) -> str:
