@@ -6,7 +6,8 @@ in every `chapters/<lang>/*.ipynb`:
 * the first cell: the title line is kept; below it, the "Open in Colab" badge
   for this very file and links to the same chapter in the other languages
   that exist;
-* the `COURSE_REPO = ...` / `COURSE_BRANCH = ...` lines of the setup cell.
+* the second cell, the setup cell, from SETUP_CELL below (the same in every
+  notebook), with the repository URL and branch filled in.
 
     python tools/headers.py          # rewrite
     python tools/headers.py --check  # exit 1 if any notebook is out of date
@@ -16,7 +17,6 @@ from __future__ import annotations
 
 import argparse
 import pathlib
-import re
 import sys
 
 import nbformat
@@ -40,6 +40,36 @@ OTHER_LANGUAGES_LABEL = {
     "ko": "다른 언어",
 }
 BADGE = "https://colab.research.google.com/assets/colab-badge.svg"
+
+# In Colab: clone the course next to the notebook and install the companion package
+# (Colab already has torch, torchvision and matplotlib; --no-deps leaves them alone).
+# Elsewhere: use the installed package, or this checkout's code/ folder.
+# DISTCOURSE_REPO_URL exists only so that tests can point "Colab" at a local clone.
+SETUP_CELL = """\
+# Setup: in Colab, fetch the course and install its companion package; elsewhere, nothing to do.
+import os, subprocess, sys
+
+COURSE_REPO = os.environ.get("DISTCOURSE_REPO_URL", "{url}.git")
+COURSE_BRANCH = "{branch}"
+try:
+    import google.colab  # noqa: F401  (only importable inside Colab)
+    IN_COLAB = True
+except ImportError:
+    IN_COLAB = False
+if IN_COLAB:
+    if not os.path.isdir("distributed-training-course"):
+        subprocess.run(["git", "clone", "--quiet", "--depth", "1", "--branch", COURSE_BRANCH,
+                        COURSE_REPO, "distributed-training-course"], check=True)
+        subprocess.run([sys.executable, "-m", "pip", "install", "--quiet", "--no-deps", "-e",
+                        "distributed-training-course"], check=True)
+    # the running kernel does not see packages installed after it started: add the path too
+    sys.path.insert(0, os.path.abspath(os.path.join("distributed-training-course", "code")))
+try:
+    import distcourse
+except ImportError:  # a checkout whose package is not installed: use its code/ folder
+    sys.path.insert(0, os.path.abspath(os.path.join("..", "..", "code")))
+    import distcourse
+distcourse.warm_up()  # start the rank launcher's fork server in the background"""
 
 
 def repository(root: pathlib.Path = ROOT) -> tuple[str, str]:
@@ -79,8 +109,9 @@ def update(notebook: pathlib.Path, root: pathlib.Path = ROOT) -> bool:
     header.source = header_markdown(notebook, title, root)
     url, branch = repository(root)
     setup = nb.cells[1]
-    setup.source = re.sub(r'(?m)^COURSE_REPO = .*$', f'COURSE_REPO = "{url}.git"', setup.source)
-    setup.source = re.sub(r'(?m)^COURSE_BRANCH = .*$', f'COURSE_BRANCH = "{branch}"', setup.source)
+    setup.source = SETUP_CELL.format(url=url, branch=branch)
+    setup.metadata["slideshow"] = {"slide_type": "skip"}
+    setup.metadata["tags"] = ["remove-input"]
     text = nbformat.writes(nb) + "\n"
     if text == notebook.read_text(encoding="utf-8"):
         return False
