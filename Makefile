@@ -1,5 +1,6 @@
 # Everything runs inside .venv, created and filled from requirements.txt on first use.
 # `make book` builds the rendered book, `make test` runs the whole test suite.
+# `make bench` compares launch times; `make times` executes only the notebooks and reports their times.
 PYTHON ?= python3
 VENV := .venv
 PY := $(VENV)/bin/python
@@ -23,7 +24,7 @@ bench: $(STAMP)
 	$(PY) benchmarks/launch_bench.py
 
 times: $(STAMP)
-	$(PY) tools/notebook_times.py
+	$(PY) -m pytest chapters
 
 clean:
 	rm -rf _build
