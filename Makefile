@@ -6,7 +6,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: book test bench times clean
+.PHONY: book test bench times stress clean
 
 $(STAMP): requirements.txt pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -22,6 +22,9 @@ test: $(STAMP)
 
 bench: $(STAMP)
 	$(PY) benchmarks/launch_bench.py
+
+stress: $(STAMP)
+	$(PY) -m pytest -m stress tests/test_stress.py
 
 times: $(STAMP)
 	$(PY) -m pytest chapters

@@ -6,6 +6,7 @@ import multiprocessing.resource_tracker
 import os
 import pathlib
 import statistics
+import sys
 import time
 from collections import defaultdict
 
@@ -57,6 +58,11 @@ def pytest_runtest_logreport(report):
 
 
 def pytest_terminal_summary(terminalreporter):
+    stress = sys.modules.get("test_stress")
+    if stress is not None and stress.RESULTS:
+        terminalreporter.section("stress scenarios (passed/attempts)")
+        for line in stress.pytest_terminal_summary_table():
+            terminalreporter.write_line(line)
     if not _notebook_seconds:
         return
     rows = sorted(_notebook_seconds.items())

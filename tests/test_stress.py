@@ -1,0 +1,132 @@
+"""Launcher failure scenarios, each repeated many times: `make stress` (also part of `make test`).
+
+Every attempt must end with the right error, quickly, and with no process left
+behind, checked by listing the process tree. The terminal summary prints a
+table of passed/attempts per scenario.
+"""
+
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import threading
+import time
+
+import pytest
+
+import rank_workers as w
+from conftest import stray_processes
+from distcourse import LaunchTimeout, RankFailed, launch
+
+pytestmark = pytest.mark.stress
+ATTEMPTS = int(os.environ.get("STRESS_ATTEMPTS", "20"))
+TESTS = os.path.dirname(__file__)
+RESULTS: dict[str, tuple[int, int, float]] = {}  # scenario -> (passed, attempts, worst seconds)
+
+
+def processes_gone(grace: float = 5.0) -> bool:
+    deadline = time.monotonic() + grace
+    while stray_processes():
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.02)
+    return True
+
+
+def repeat(name: str, attempt, limit: float) -> None:
+    """Run ``attempt`` ATTEMPTS times; each must return True within ``limit`` seconds."""
+    passed, worst, failures = 0, 0.0, []
+    for i in range(ATTEMPTS):
+        start = time.monotonic()
+        try:
+            ok = attempt()
+        except Exception as exc:  # an unexpected error is a failed attempt, reported below
+            ok, failures = False, failures + [f"attempt {i}: {exc!r}"[:300]]
+        seconds = time.monotonic() - start
+        worst = max(worst, seconds)
+        ok = ok and seconds < limit and processes_gone()
+        passed += ok
+    RESULTS[name] = (passed, ATTEMPTS, worst)
+    assert passed == ATTEMPTS, f"{name}: {passed}/{ATTEMPTS} passed, worst {worst:.2f} s; {failures[:3]}"
+
+
+def expect(exc_type, match, fn, *args, **kwargs) -> bool:
+    try:
+        launch(fn, 2, *args, quiet=True, **kwargs)
+    except exc_type as exc:
+        return match(exc)
+    return False
+
+
+def test_rank_raises():
+    repeat(
+        "a rank raises",
+        lambda: expect(
+            RankFailed, lambda e: e.rank == 1 and "deliberate failure" in str(e), w.raise_on, kwargs={"rank_to_fail": 1}
+        ),
+        limit=10,
+    )
+
+
+def test_rank_exits_nonzero():
+    repeat("a rank exits with code 3", lambda: expect(RankFailed, lambda e: "code 3" in str(e), w.exit_with), limit=10)
+
+
+def test_rank_killed_by_signal():
+    repeat("a rank is killed (SIGKILL)", lambda: expect(RankFailed, lambda e: "SIGKILL" in str(e), w.kill_self), limit=10)
+
+
+def test_rank_hangs_in_collective():
+    repeat(
+        "a rank hangs in a collective (1 s timeout)",
+        lambda: expect(RankFailed, lambda e: "Timed out" in str(e), w.uneven_barrier, collective_timeout=1, timeout=30),
+        limit=6,
+    )
+
+
+def test_whole_run_timeout():
+    repeat(
+        "the whole run times out (1 s)",
+        lambda: expect(LaunchTimeout, lambda e: e.running == [0, 1], w.sleep_forever, timeout=1),
+        limit=6,
+    )
+
+
+def test_sigint_to_the_caller():
+    def attempt():
+        timer = threading.Timer(0.3, os.kill, (os.getpid(), signal.SIGINT))
+        timer.start()
+        try:
+            launch(w.sleep_forever, 2, timeout=60, quiet=True)
+        except KeyboardInterrupt:
+            return True
+        finally:
+            timer.join()
+        return False
+
+    repeat("SIGINT to the calling process", attempt, limit=6)
+
+
+def test_two_callers_at_once():
+    """Two independent processes, like two pytest workers, launching at the same time."""
+    script = textwrap.dedent(
+        f"""
+        import sys; sys.path.insert(0, {TESTS!r})
+        import distcourse, rank_workers
+        ok = 0
+        for _ in range({ATTEMPTS}):
+            ok += distcourse.launch(rank_workers.rank_and_sum, 2, quiet=True) == [(0, 2, 3.0), (1, 2, 3.0)]
+        print(ok)
+        """
+    )
+    start = time.monotonic()
+    callers = [subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, text=True) for _ in range(2)]
+    counts = [int(c.communicate(timeout=300)[0] or 0) for c in callers]
+    passed = sum(counts) if all(c.returncode == 0 for c in callers) else 0
+    RESULTS["two callers launching at once"] = (passed, 2 * ATTEMPTS, time.monotonic() - start)
+    assert passed == 2 * ATTEMPTS and processes_gone()
+
+
+def pytest_terminal_summary_table() -> list[str]:
+    return [f"{passed:3d}/{attempts:<3d} worst {worst:6.2f} s  {name}" for name, (passed, attempts, worst) in RESULTS.items()]
