@@ -1,0 +1,41 @@
+"""Self-check of chapter 02's exercise: a gradient all-reduce that is exact for unequal chunks."""
+
+from __future__ import annotations
+
+import torch
+
+from . import data_parallel as dp
+
+
+def check_weighted_reduce(reduce) -> bool:
+    """Exercise 1: ``reduce(replicas, chunk_sizes)`` must make a data-parallel step on
+    unequal chunks (10 samples on 3 replicas: 4, 3 and 3) equal the full-batch step.
+
+    Prints a verdict and returns True/False.
+    """
+    problems = []
+    for size, k in ((10, 3), (64, 2)):
+        x, y = dp.digits_batch(size, seed=3)
+        model = dp.mlp(width=16, seed=3)
+        reference, _, _ = dp.full_batch_step(model, x, y, lr=0.5)
+        try:
+            replicas, _, _ = dp.data_parallel_step(model, x, y, dp.devices_for(k), lr=0.5, reduce=reduce)
+        except Exception as exc:  # the learner's code may raise anything
+            problems.append(f"{size} samples on {k} replicas: the step raised {type(exc).__name__}: {exc}")
+            continue
+        if not all(dp.identical(replicas[0], r) for r in replicas[1:]):
+            problems.append(
+                f"{size} samples on {k} replicas: the replicas differ after the step; "
+                "every replica must end up with the same gradient"
+            )
+        elif dp.max_difference(replicas[0], reference) > 1e-6:
+            problems.append(
+                f"{size} samples on {k} replicas: the update differs from the full-batch step by "
+                f"{dp.max_difference(replicas[0], reference):.1e}; weight each replica's gradient by "
+                "its chunk's share of the batch"
+            )
+    if problems:
+        print("Not yet:\n  - " + "\n  - ".join(problems))
+        return False
+    print("Correct: with chunks of 4, 3 and 3 samples the replicas take exactly the full-batch step.")
+    return True

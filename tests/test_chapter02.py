@@ -1,0 +1,130 @@
+"""The chapter 02 helpers do what the chapter says, and its self-check can fail."""
+
+import pytest
+import torch
+from torch import nn
+
+import distcourse
+from distcourse import checks02
+from distcourse import data_parallel as dp
+
+
+def weighted_reduce(replicas, chunk_sizes):
+    """The answer to exercise 1: weight each replica's gradient by its chunk's share."""
+    total = sum(chunk_sizes)
+    with torch.no_grad():
+        for grads in zip(*([p.grad for p in r.parameters()] for r in replicas)):
+            combined = sum(g.to(grads[0].device) * (n / total) for g, n in zip(grads, chunk_sizes))
+            for g in grads:
+                g.copy_(combined)
+
+
+@pytest.mark.skipif(distcourse.gpu_count() > 0, reason="the CPU behaviour of nn.DataParallel")
+def test_dataparallel_without_gpus_calls_the_module_once():
+    model = dp.ShapeReporter(features=5, outputs=2)
+    wrapped = nn.DataParallel(model)
+    x = torch.randn(30, 5)
+    out = wrapped(x)
+    assert wrapped.device_ids == [] and wrapped.module is model
+    assert model.calls == [((30, 5), "cpu")]
+    assert torch.equal(out, model(x))
+    assert not torch.cuda.is_initialized()
+
+
+def test_scatter_gives_every_device_a_chunk():
+    x = torch.arange(10)
+    chunks = dp.scatter(x, [torch.device("cpu")] * 3)
+    assert [len(c) for c in chunks] == [4, 3, 3]
+    assert torch.equal(torch.cat(chunks), x)
+    assert [len(c) for c in dp.scatter(torch.arange(2), [torch.device("cpu")] * 3)] == [1, 1, 0]
+
+
+@pytest.mark.parametrize("k", [1, 2, 4])
+def test_from_scratch_step_is_the_full_batch_step(k):
+    x, y = dp.digits_batch(64)
+    model = dp.mlp(width=32)
+    before = dp.params_of(model)
+    replicas, outputs, losses = dp.data_parallel_step(model, x, y, dp.devices_for(k), lr=0.1)
+    reference, reference_out, reference_loss = dp.full_batch_step(model, x, y, lr=0.1)
+    assert len(replicas) == k and all(dp.identical(replicas[0], r) for r in replicas)
+    assert dp.max_difference(replicas[0], reference) < 1e-6
+    assert dp.max_difference(replicas[0], model) > 1e-3  # it did train...
+    assert all(torch.equal(a, b) for a, b in zip(before, dp.params_of(model)))  # ...a copy
+    assert torch.allclose(outputs.cpu(), reference_out, atol=1e-6)
+    assert abs(sum(losses) / k - reference_loss) < 1e-6
+
+
+def test_unequal_chunks_need_a_weighted_reduce():
+    x, y = dp.digits_batch(10)
+    model = dp.mlp(width=16)
+    with pytest.raises(ValueError, match="unequal size"):
+        dp.data_parallel_step(model, x, y, dp.devices_for(3))
+    replicas, _, _ = dp.data_parallel_step(model, x, y, dp.devices_for(3), reduce=weighted_reduce)
+    reference, _, _ = dp.full_batch_step(model, x, y)
+    assert dp.max_difference(replicas[0], reference) < 1e-6
+
+
+@pytest.mark.usefixtures("no_leftovers")
+def test_processes_with_all_reduce_take_the_full_batch_step():
+    x, y = dp.digits_batch(64)
+    model = dp.mlp(width=32, depth=2)
+    reference, _, _ = dp.full_batch_step(model, x, y, lr=0.1)
+    results = distcourse.launch(
+        dp.all_reduce_step, 2, args=(x, y, model.state_dict(), 0.1), kwargs={"width": 32, "depth": 2}, quiet=True
+    )
+    assert results[0]["loss"] != results[1]["loss"]
+    assert all(torch.equal(a, b) for a, b in zip(results[0]["params"], results[1]["params"]))
+    assert all(torch.allclose(a, e, rtol=0, atol=1e-6) for a, e in zip(results[0]["params"], dp.params_of(reference)))
+
+
+def test_dataparallel_style_step_is_the_plain_step():
+    assert dp.same_update_as_plain(k=2) < 1e-6
+    assert dp.same_update_as_plain(k=3, batch_size=10) < 1e-6  # summing needs no weights
+
+
+def test_breakdown_reports_every_phase():
+    breakdown = dp.step_time_breakdown(replica_counts=(2,), steps=2, batch_size=32, width=32, depth=1)
+    (plain_label, plain), (dp_label, replicated) = breakdown.items()
+    assert plain_label.startswith("plain step") and "2 replicas" in dp_label
+    assert set(plain) == {"forward", "backward", "step"}
+    assert set(replicated) == {"replicate", "scatter", "forward", "gather", "backward", "reduce", "step"}
+    assert all(seconds > 0 for seconds in [*plain.values(), *replicated.values()])
+
+
+def test_thread_speedup_restores_the_thread_count():
+    before = torch.get_num_threads()
+    assert dp.thread_speedup("many small ops", repeats=1) > 0
+    assert torch.get_num_threads() == before
+
+
+def test_batchnorm_replicas_differ_from_the_full_batch():
+    x, y = dp.digits_batch(64)
+    model = dp.mlp(width=32, batchnorm=True)
+    replicas, outputs, _ = dp.data_parallel_step(model, x, y, dp.devices_for(2))
+    reference, reference_out, _ = dp.full_batch_step(model, x, y)
+    assert not torch.allclose(outputs.cpu(), reference_out, atol=1e-3)
+    assert dp.identical(replicas[0], replicas[1])
+    bn0, bn1 = (dp.batchnorm_layers(r)[0] for r in replicas)
+    assert not torch.allclose(bn0.running_mean, bn1.running_mean)
+
+
+def test_combined_moments_are_the_full_batch_moments():
+    h = torch.randn(10, 6) * 3 + 1
+    mean, var = dp.combined_moments(h.tensor_split(3))
+    assert torch.allclose(mean, h.mean(0), atol=1e-5)
+    assert torch.allclose(var, h.var(0, unbiased=False), atol=1e-4)
+
+
+def test_self_check_rejects_wrong_answers_and_accepts_the_right_one(capsys):
+    assert checks02.check_weighted_reduce(None) is False
+    assert checks02.check_weighted_reduce(lambda replicas, sizes: None) is False
+    assert "replicas differ" in capsys.readouterr().out
+    assert checks02.check_weighted_reduce(lambda replicas, sizes: dp.average_gradients(replicas)) is False
+    assert "share of the batch" in capsys.readouterr().out
+
+    def raises(replicas, sizes):
+        raise KeyError("oops")
+
+    assert checks02.check_weighted_reduce(raises) is False
+    assert "KeyError" in capsys.readouterr().out
+    assert checks02.check_weighted_reduce(weighted_reduce) is True
