@@ -20,7 +20,12 @@ Why the fork server: ``spawn`` starts a new interpreter and imports torch for
 every rank of every launch (1-2 s each). A fork server is started once per
 kernel, imports torch once, and then forks a fresh rank in milliseconds.
 It is started by exec (not forked from the kernel), so a kernel that has used
-CUDA never passes a CUDA context to ranks; the ranks check that themselves.
+CUDA never passes a CUDA context to ranks; the fork server only imports torch
+(importing does not initialise CUDA), and every rank checks
+``torch.cuda.is_initialized()`` before it starts. The modules the fork server
+preloads (torch and the launcher itself) are not re-imported by later
+launches: after editing them, restart the kernel. Chapter modules are imported
+afresh by every rank.
 """
 
 from __future__ import annotations
