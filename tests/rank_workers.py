@@ -84,3 +84,13 @@ class Payload:
 
 def echo(payload):
     return payload.value * (dist.get_rank() + 1)
+
+
+def killed_mid_collective():
+    """Rank 1 dies (SIGKILL) while rank 0 waits for it in all_reduce."""
+    t = torch.ones(1)
+    for step in range(1000):
+        if dist.get_rank() == 1 and step == 3:
+            os.kill(os.getpid(), signal.SIGKILL)
+        dist.all_reduce(t)
+    return t.item()

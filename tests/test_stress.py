@@ -77,6 +77,16 @@ def test_rank_killed_by_signal():
     repeat("a rank is killed (SIGKILL)", lambda: expect(RankFailed, lambda e: "SIGKILL" in str(e), w.kill_self), limit=10)
 
 
+def test_rank_killed_while_others_wait_in_a_collective():
+    # The survivor reports "connection closed by peer" first; the launcher must still
+    # name the rank that died, not the one that noticed.
+    repeat(
+        "a rank is killed while the other is in all_reduce",
+        lambda: expect(RankFailed, lambda e: e.rank == 1 and "SIGKILL" in str(e), w.killed_mid_collective),
+        limit=10,
+    )
+
+
 def test_rank_hangs_in_collective():
     repeat(
         "a rank hangs in a collective (1 s timeout)",

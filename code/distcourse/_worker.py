@@ -128,14 +128,46 @@ def _run(rank: int, task: dict, reporter):
         torch.cuda.set_device(rank)
     store = dist.TCPStore("127.0.0.1", task["port"], is_master=False, timeout=timeout)
     try:
-        dist.init_process_group(
-            task["backend"],
-            store=dist.PrefixStore(task["run_id"], store),
-            rank=rank,
-            world_size=world_size,
-            timeout=timeout,
-        )
+        _init_process_group(task, rank, store, timeout)
         return _call(fn, args, kwargs, reporter)
     finally:
         if dist.is_initialized():
             dist.destroy_process_group()
+
+
+INIT_ATTEMPTS = 3
+
+
+def _init_process_group(task: dict, rank: int, store, timeout) -> None:
+    """``init_process_group`` that retries when gloo's connection mesh fails.
+
+    With several launches at once on a busy machine, about 1 launch in 100
+    failed inside gloo's ``connectFullMesh`` ("Connection closed by peer")
+    before any user code ran. Every rank votes in the store after each attempt;
+    the group is kept only if all ranks succeeded, otherwise all of them retry
+    under a fresh key prefix, so no rank can go on with a half-built group.
+    """
+    world_size = task["world_size"]
+    for attempt in range(INIT_ATTEMPTS):
+        prefix = f"{task['run_id']}/{attempt}"
+        error = None
+        try:
+            dist.init_process_group(
+                task["backend"],
+                store=dist.PrefixStore(prefix, store),
+                rank=rank,
+                world_size=world_size,
+                timeout=timeout,
+            )
+        except RuntimeError as exc:
+            if attempt == INIT_ATTEMPTS - 1:
+                raise
+            error = exc
+        store.set(f"{prefix}/vote/{rank}", "ok" if error is None else "retry")
+        votes = [store.get(f"{prefix}/vote/{r}") for r in range(world_size)]
+        if all(vote == b"ok" for vote in votes):
+            return
+        if dist.is_initialized():
+            dist.destroy_process_group()
+        if error is not None:
+            print(f"init_process_group attempt {attempt + 1} failed, retrying: {str(error)[:200]}", file=sys.stderr)

@@ -45,7 +45,8 @@ import torch.distributed as dist
 
 from . import _worker, hardware
 
-_PRELOAD = ["torch", "torch.distributed", "distcourse", "distcourse._worker"]
+# torch._dynamo: optimizers and FSDP import it (~1 s per rank otherwise); importing starts nothing.
+_PRELOAD = ["torch", "torch.distributed", "torch._dynamo", "distcourse", "distcourse._worker"]
 _live: set = set()  # processes of launches in progress, killed at interpreter exit
 
 
@@ -299,9 +300,17 @@ def launch(
                 handle(obj)
             if failures and sentinels:
                 # One failure makes the others fail too (their peer vanished). Collect
-                # what has already arrived, then blame the earliest, and stop the rest.
-                for obj in wait(list(sentinels) + list(conns), timeout=0.2):
-                    handle(obj)
+                # what arrives shortly after, then blame the earliest, and stop the rest.
+                # If every failure so far only reports a vanished peer, the rank that
+                # vanished has not been seen yet: give it a little longer to show up.
+                grace_end, patience_end = time.monotonic() + 0.2, time.monotonic() + 2.0
+                while sentinels:
+                    only_consequences = all(_is_consequence(d) for _, d in failures.values())
+                    remaining = (patience_end if only_consequences else grace_end) - time.monotonic()
+                    if remaining <= 0:
+                        break
+                    for obj in wait(list(sentinels) + list(conns), timeout=remaining):
+                        handle(obj)
                 _stop(processes)
                 sentinels.clear()
         failure = None
@@ -329,6 +338,14 @@ def launch(
     results = Results(replies[rank][1] for rank in range(world_size))
     results.seconds, results.plan, results.outputs = seconds, the_plan, text
     return results
+
+
+# What a rank reports when another rank vanished under it (gloo, NCCL).
+_PEER_LOST = ("Connection closed by peer", "Connection reset by peer", "ECONNRESET", "remote process exited")
+
+
+def _is_consequence(detail: str) -> bool:
+    return any(marker in detail for marker in _PEER_LOST)
 
 
 def _describe_failure(rank: int, exitcode, reply) -> str:

@@ -1,0 +1,117 @@
+"""Self-check for the exercise of chapter 05: an ``atomic_save`` written by the learner.
+
+It runs in the notebook's own process (a function defined in a notebook cannot be sent
+to rank processes), watching ``os.fsync`` and ``os.replace`` while the learner's
+function runs, and simulating a save that fails halfway.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import pathlib
+import tempfile
+
+import torch
+
+from .checkpoints import load_checkpoint
+
+
+class _FailsWhileSaving:
+    """Pickling this raises, as a crash in the middle of ``torch.save`` would interrupt it."""
+
+    def __reduce__(self):
+        raise RuntimeError("simulated failure in the middle of a save")
+
+
+@contextlib.contextmanager
+def _watch_os_calls(events: list):
+    """Record calls of os.fsync and os.replace/os.rename (pathlib uses them too)."""
+    originals = {name: getattr(os, name) for name in ("fsync", "replace", "rename")}
+
+    def spy(name):
+        def call(*args, **kwargs):
+            events.append((name, *[os.fspath(a) if isinstance(a, (str, os.PathLike)) else a for a in args]))
+            return originals[name](*args, **kwargs)
+
+        return call
+
+    for name in originals:
+        setattr(os, name, spy(name))
+    try:
+        yield
+    finally:
+        for name, original in originals.items():
+            setattr(os, name, original)
+
+
+def check_atomic_save(atomic_save) -> bool:
+    """Exercise 05: ``atomic_save(obj, path)`` must never leave a partial file at ``path``."""
+    problems = []
+    with tempfile.TemporaryDirectory() as tmp:
+        directory = pathlib.Path(tmp)
+        path = directory / "checkpoint.pt"
+        first = {"step": 1, "weights": torch.arange(6.0)}
+        events: list = []
+        try:
+            with _watch_os_calls(events):
+                atomic_save(first, path)
+        except Exception as exc:
+            problems.append(f"saving a plain state raised {exc!r}")
+        if not path.is_file():
+            problems.append("after atomic_save(obj, path) there is no file at path")
+        else:
+            try:
+                loaded = load_checkpoint(path)
+                if loaded["step"] != 1 or not torch.equal(loaded["weights"], first["weights"]):
+                    problems.append("the saved file does not load back as the object that was saved")
+            except Exception as exc:
+                problems.append(f"the saved file does not load with weights_only=True: {exc}")
+            problems += _check_os_calls(events, path)
+
+        if path.is_file():  # a save that fails halfway must leave the previous checkpoint intact
+            problems += _check_failed_save(atomic_save, path)
+        leftovers = sorted(p.name for p in directory.iterdir() if p.name != path.name)
+        if leftovers:
+            problems.append(f"temporary files left behind in the directory: {leftovers}")
+    if problems:
+        print("Not yet:\n  - " + "\n  - ".join(problems))
+        return False
+    print("Correct: complete files only, flushed to disk before the rename, no debris after a failure.")
+    return True
+
+
+def _check_failed_save(atomic_save, path: pathlib.Path) -> list[str]:
+    try:
+        atomic_save({"step": 2, "weights": torch.zeros(6), "oops": _FailsWhileSaving()}, path)
+        return ["a save that fails while writing must raise, not return quietly"]
+    except RuntimeError:
+        pass
+    except Exception as exc:
+        return [f"a failing save should let the original error through, got {exc!r}"]
+    if not path.is_file():
+        return ["a save that failed halfway deleted the previous checkpoint"]
+    try:
+        step = load_checkpoint(path)["step"]
+    except Exception:
+        return ["a save that failed halfway destroyed the previous checkpoint"]
+    return [] if step == 1 else ["a failed save replaced the previous checkpoint"]
+
+
+def _check_os_calls(events, path: pathlib.Path) -> list[str]:
+    moves = [e for e in events if e[0] in ("replace", "rename") and pathlib.Path(e[2]) == path]
+    if not moves:
+        return ["the file was not moved into place with os.replace: write elsewhere, then rename"]
+    source = pathlib.Path(moves[-1][1])
+    problems = []
+    if source.parent != path.parent:
+        problems.append(
+            f"the temporary file was in {source.parent}, not next to the target: a rename is "
+            "atomic only within one file system, so keep it in the same directory"
+        )
+    move_at = events.index(moves[-1])
+    if not any(e[0] == "fsync" for e in events[:move_at]):
+        problems.append(
+            "no os.fsync before the rename: after a power loss the renamed file may be empty"
+        )
+    return problems

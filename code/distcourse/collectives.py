@@ -1,0 +1,462 @@
+"""Rank functions and helpers of chapter 03 (collective communication).
+
+Functions ending in ``_demo`` run inside ranks started by ``distcourse.launch``
+and return plain Python lists, so that the notebook can print and assert them.
+Their data follow one rule, so that every number in a table tells where it came
+from: rank r starts with ``[10r + 0, 10r + 1, ...]``.
+
+The second half is a ring all-reduce written with point-to-point messages only,
+a byte counter to measure its cost, and an in-process simulation of the same
+ring that the exercise's self-check runs.
+"""
+
+from __future__ import annotations
+
+import inspect
+import operator
+import os
+import time
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+from .hardware import rank_device
+
+
+def _start(numel: int | None = None) -> torch.Tensor:
+    """This rank's tensor ``[10r + 0, 10r + 1, ...]`` (world_size elements by default)."""
+    rank, n = dist.get_rank(), dist.get_world_size()
+    numel = n if numel is None else numel
+    return torch.arange(numel, dtype=torch.float32, device=rank_device()) + 10 * rank
+
+
+def _list(t: torch.Tensor) -> list:
+    return t.cpu().tolist()
+
+
+# --- 1. Vocabulary ----------------------------------------------------------------------
+
+
+def whoami(gpus_per_node: int = 2) -> dict:
+    """What a rank knows about itself, and where it would sit on nodes of ``gpus_per_node`` GPUs."""
+    rank = dist.get_rank()
+    return {
+        "rank": rank,
+        "world_size": dist.get_world_size(),
+        "env": {key: int(os.environ[key]) for key in ("RANK", "LOCAL_RANK", "WORLD_SIZE")},
+        "backend": dist.get_backend(),
+        "pid": os.getpid(),
+        # Launchers fill node 0 first, then node 1, ...: that is the whole rule.
+        "node_if_2x2": rank // gpus_per_node,
+        "local_rank_if_2x2": rank % gpus_per_node,
+    }
+
+
+def subgroup_demo(members=(0, 2)) -> dict:
+    """All-reduce among ``members`` only; the other ranks keep their value."""
+    rank = dist.get_rank()
+    # Every rank must call new_group, members or not: creating a group is itself collective.
+    group = dist.new_group(list(members))
+    t = torch.tensor([10.0**rank], device=rank_device())  # 1, 10, 100, 1000: sums show who took part
+    before = _list(t)
+    if rank in members:
+        dist.all_reduce(t, group=group)
+    in_group = dist.get_rank(group)  # -1 on ranks outside the group
+    return {"member": rank in members, "rank_in_group": in_group, "before": before, "after": _list(t)}
+
+
+# --- 2. Point to point --------------------------------------------------------------------
+
+
+def send_recv_demo() -> dict:
+    """Rank 0 sends to rank 1 (blocking); rank 1 answers with isend/irecv (non-blocking)."""
+    rank, device = dist.get_rank(), rank_device()
+    t = torch.tensor([1.0, 2.0, 3.0], device=device) if rank == 0 else torch.zeros(3, device=device)
+    before = _list(t)
+    if rank == 0:
+        dist.send(t, dst=1)  # returns once rank 1 has the data
+    elif rank == 1:
+        dist.recv(t, src=0)
+    received = _list(t)
+
+    reply = t * 10 if rank == 1 else torch.zeros(3, device=device)
+    if rank == 1:
+        work = dist.isend(reply, dst=0)  # returns at once: a handle to wait on
+    elif rank == 0:
+        work = dist.irecv(reply, src=1)
+    if rank in (0, 1):
+        # ... free to compute here while the message travels ...
+        work.wait()  # only now may the buffer be read (receiver) or reused (sender)
+    return {"before": before, "after send/recv": received, "after isend/irecv": _list(reply)}
+
+
+def everyone_sends_first() -> None:
+    """Each rank sends to its right neighbour, then receives: a deadlock."""
+    rank, n = dist.get_rank(), dist.get_world_size()
+    dist.send(_start(2), dst=(rank + 1) % n)  # blocks until the neighbour receives...
+    dist.recv(torch.empty(2, device=rank_device()), src=(rank - 1) % n)  # ...which it never reaches
+
+
+def ring_shift_demo() -> dict:
+    """Each rank passes its tensor to the right neighbour and receives the left one's."""
+    rank, n = dist.get_rank(), dist.get_world_size()
+    mine = _start(2)
+    incoming = torch.empty_like(mine)
+    # Post the send and the receive together, then wait for both: nobody waits for anybody first.
+    ops = [dist.P2POp(dist.isend, mine, (rank + 1) % n), dist.P2POp(dist.irecv, incoming, (rank - 1) % n)]
+    for work in dist.batch_isend_irecv(ops):
+        work.wait()
+    return {"before": _list(mine), "after": _list(incoming)}
+
+
+# --- 3. Collectives -------------------------------------------------------------------------
+
+
+def broadcast_demo() -> dict:
+    t = _start()
+    before = _list(t)
+    dist.broadcast(t, src=0)  # everyone ends with rank 0's tensor
+    return {"before": before, "after": _list(t)}
+
+
+def reduce_demo() -> dict:
+    t = _start()
+    before = _list(t)
+    dist.reduce(t, dst=0, op=dist.ReduceOp.SUM)  # only rank 0's result is defined
+    return {"before": before, "after": _list(t)}
+
+
+def all_reduce_sum_demo() -> dict:
+    t = _start()
+    before = _list(t)
+    dist.all_reduce(t, op=dist.ReduceOp.SUM)
+    return {"before": before, "after": _list(t)}
+
+
+def all_reduce_max_demo() -> dict:
+    rank = dist.get_rank()
+    t = torch.tensor([float(rank), float(-rank)], device=rank_device())
+    before = _list(t)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)  # element by element
+    return {"before": before, "after": _list(t)}
+
+
+def gather_demo() -> dict:
+    rank, n = dist.get_rank(), dist.get_world_size()
+    t = _start(2)
+    slots = [torch.empty_like(t) for _ in range(n)] if rank == 0 else None
+    dist.gather(t, gather_list=slots, dst=0)
+    return {"before": _list(t), "after": [_list(s) for s in slots] if slots else None}
+
+
+def scatter_demo() -> dict:
+    rank, n, device = dist.get_rank(), dist.get_world_size(), rank_device()
+    pieces = [torch.tensor([2.0 * i, 2.0 * i + 1], device=device) for i in range(n)] if rank == 0 else None
+    t = torch.zeros(2, device=device)
+    dist.scatter(t, scatter_list=pieces, src=0)
+    return {"before": [_list(p) for p in pieces] if pieces else None, "after": _list(t)}
+
+
+def reduce_scatter(output: torch.Tensor, inputs: list, native: bool = True) -> str:
+    """``dist.reduce_scatter``, or the same result through all_reduce where a backend lacks it.
+
+    Returns which one ran. (gloo in PyTorch 2.13 has it; some older gloo builds did not.)
+    """
+    if native:
+        try:
+            dist.reduce_scatter(output, inputs)
+            return "native dist.reduce_scatter"
+        except (RuntimeError, NotImplementedError):
+            pass
+    # Sum everything everywhere, keep our own chunk: right answer, twice the traffic.
+    total = torch.stack(inputs)
+    dist.all_reduce(total)
+    output.copy_(total[dist.get_rank()])
+    return "all_reduce, then keep own chunk"
+
+
+def reduce_scatter_demo(native: bool = True) -> dict:
+    t = _start()
+    out = torch.empty(t.numel() // dist.get_world_size(), device=t.device)
+    how = reduce_scatter(out, list(t.chunk(dist.get_world_size())), native=native)
+    return {"before": _list(t), "after": _list(out), "how": how}
+
+
+def reduce_scatter_fallback_demo() -> dict:
+    return reduce_scatter_demo(native=False)
+
+
+def all_gather_demo() -> dict:
+    """All-gather the chunks that reduce-scatter left on each rank."""
+    n = dist.get_world_size()
+    t = _start()
+    mine = torch.empty(t.numel() // n, device=t.device)
+    reduce_scatter(mine, list(t.chunk(n)))
+    slots = [torch.empty_like(mine) for _ in range(n)]
+    dist.all_gather(slots, mine)
+    return {"before": _list(mine), "after": _list(torch.cat(slots))}
+
+
+DEMOS = {
+    "broadcast": broadcast_demo,
+    "reduce": reduce_demo,
+    "all_reduce SUM": all_reduce_sum_demo,
+    "all_reduce MAX": all_reduce_max_demo,
+    "gather": gather_demo,
+    "scatter": scatter_demo,
+    "reduce_scatter": reduce_scatter_demo,
+    "reduce_scatter via all_reduce": reduce_scatter_fallback_demo,
+    "all_gather": all_gather_demo,
+}
+
+
+def tour() -> dict:
+    """Run every demo once, in the same order on every rank (collectives must match up)."""
+    return {name: demo() for name, demo in DEMOS.items()}
+
+
+# --- 4. A ring all-reduce from point-to-point messages ----------------------------------------
+
+
+@dataclass
+class Traffic:
+    """What one rank sent: number of messages and bytes."""
+
+    messages: int = 0
+    bytes: int = 0
+
+    def count(self, t: torch.Tensor) -> None:
+        self.messages += 1
+        self.bytes += t.numel() * t.element_size()
+
+
+def reduce_scatter_chunk(rank: int, step: int, n: int) -> int:
+    """Index of the chunk ``rank`` sends to its right neighbour at ``step`` of the reduce-scatter phase."""
+    return (rank - step) % n
+
+
+def all_gather_chunk(rank: int, step: int, n: int) -> int:
+    """Index of the chunk ``rank`` sends to its right neighbour at ``step`` of the all-gather phase."""
+    return (rank + 1 - step) % n
+
+
+def _exchange(send: torch.Tensor, dst: int, recv: torch.Tensor, src: int, traffic: Traffic | None) -> None:
+    """Send one chunk to ``dst`` while receiving one from ``src``.
+
+    Both are posted before either is waited on, so a ring of ranks cannot block
+    each other. Empty chunks (tensor smaller than the ring) are skipped; sender
+    and receiver agree on chunk sizes, so both skip the same message.
+    """
+    ops = []
+    if send.numel():
+        ops.append(dist.P2POp(dist.isend, send, dst))
+        if traffic is not None:
+            traffic.count(send)
+    if recv.numel():
+        ops.append(dist.P2POp(dist.irecv, recv, src))
+    if ops:
+        for work in dist.batch_isend_irecv(ops):
+            work.wait()
+
+
+def ring_all_reduce(tensor: torch.Tensor, traffic: Traffic | None = None) -> torch.Tensor:
+    """Sum ``tensor`` (contiguous) over all ranks, in place, with sends and receives only."""
+    rank, n = dist.get_rank(), dist.get_world_size()
+    right, left = (rank + 1) % n, (rank - 1) % n
+    chunks = tensor.view(-1).tensor_split(n)  # n views; sizes differ by at most one element
+
+    # Reduce-scatter: pass partial sums around; after n-1 steps this rank holds the
+    # complete sum of one chunk, (rank + 1) % n.
+    for step in range(n - 1):
+        send, recv = reduce_scatter_chunk(rank, step, n), reduce_scatter_chunk(left, step, n)
+        incoming = torch.empty_like(chunks[recv])
+        _exchange(chunks[send], right, incoming, left, traffic)
+        chunks[recv].add_(incoming)
+
+    # All-gather: pass the complete chunks around; each arrives straight in place.
+    for step in range(n - 1):
+        send, recv = all_gather_chunk(rank, step, n), all_gather_chunk(left, step, n)
+        _exchange(chunks[send], right, chunks[recv], left, traffic)
+    return tensor
+
+
+def naive_all_reduce(tensor: torch.Tensor, traffic: Traffic | None = None) -> torch.Tensor:
+    """Everybody sends its whole tensor to rank 0, which sums and sends the result back."""
+    rank, n = dist.get_rank(), dist.get_world_size()
+    count = traffic.count if traffic is not None else (lambda t: None)
+    if rank == 0:
+        incoming = torch.empty_like(tensor)
+        for src in range(1, n):
+            dist.recv(incoming, src=src)
+            tensor += incoming
+        for dst in range(1, n):
+            dist.send(tensor, dst=dst)
+            count(tensor)
+    else:
+        dist.send(tensor, dst=0)
+        count(tensor)
+        dist.recv(tensor, src=0)
+    return tensor
+
+
+def ring_matches_builtin(sizes, seed: int = 0) -> list:
+    """Compare ring_all_reduce with dist.all_reduce on integer-valued and on random floats."""
+    rank, device = dist.get_rank(), rank_device()
+    generator = torch.Generator().manual_seed(seed + rank)  # different data on every rank
+    rows = []
+    for numel in sizes:
+        integers = torch.randint(-1000, 1000, (numel,), generator=generator).float()
+        floats = torch.randn(numel, generator=generator)
+        for kind, x in (("integers", integers), ("floats", floats)):
+            x = x.to(device)
+            theirs = x.clone()
+            dist.all_reduce(theirs)
+            ours = ring_all_reduce(x.clone())
+            rows.append(
+                {
+                    "numel": numel,
+                    "values": kind,
+                    "equal": torch.equal(ours, theirs),
+                    "max_abs_diff": (ours - theirs).abs().max().item(),
+                }
+            )
+    return rows
+
+
+def traffic_report(numel: int) -> dict:
+    """Bytes and messages this rank sends in one ring and in one naive all-reduce of ``numel`` floats."""
+    x = _start(numel)
+    ring, naive = Traffic(), Traffic()
+    ring_result = ring_all_reduce(x.clone(), ring)
+    naive_result = naive_all_reduce(x.clone(), naive)
+    return {
+        "nbytes": x.numel() * x.element_size(),
+        "ring": vars(ring),
+        "naive": vars(naive),
+        "same_result": torch.equal(ring_result, naive_result),
+    }
+
+
+# --- 5. Bandwidth ---------------------------------------------------------------------------
+
+
+def bus_bandwidth(nbytes: float, seconds: float, n: int) -> float:
+    """Bytes per second through each rank's link: what a ring all-reduce must move, over time."""
+    return 2 * (n - 1) / n * nbytes / seconds
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)  # GPU work is asynchronous: wait before reading the clock
+
+
+def _best_seconds(op, x: torch.Tensor, repeats: int) -> float:
+    """Fastest of ``repeats`` timed calls: the one least disturbed by other programs.
+
+    (On a busy 2-core machine single calls are sometimes descheduled for milliseconds;
+    the fastest call estimates what the operation itself costs.)
+    """
+    times = []
+    for _ in range(repeats + 1):  # the first round is a warm-up (allocations, connections)
+        buffer = x.clone()
+        dist.barrier()  # start together, so nobody's clock includes waiting for a late peer
+        _sync(x.device)
+        start = time.perf_counter()
+        op(buffer)
+        _sync(x.device)
+        times.append(time.perf_counter() - start)
+    return min(times[1:])
+
+
+def bandwidth_sweep(sizes_bytes, repeats) -> dict:
+    """Best time of ring_all_reduce and dist.all_reduce for float32 messages of each size."""
+    device = rank_device()
+    result = {"sizes": list(sizes_bytes), "ring": [], "dist.all_reduce": [], "equal": []}
+    for nbytes, reps in zip(sizes_bytes, repeats):
+        x = torch.randint(0, 100, (nbytes // 4,), dtype=torch.float32).to(device)
+        result["ring"].append(_best_seconds(ring_all_reduce, x, reps))
+        result["dist.all_reduce"].append(_best_seconds(dist.all_reduce, x, reps))
+        ours, theirs = ring_all_reduce(x.clone()), x.clone()
+        dist.all_reduce(theirs)
+        result["equal"].append(torch.equal(ours, theirs))  # integers: exact in any order
+    return result
+
+
+# --- The same ring, simulated in one process ----------------------------------------------------
+
+
+def _chunk_index(schedule, rank: int, step: int, n: int) -> int:
+    value = schedule(rank, step, n)
+    try:
+        index = operator.index(value)  # int, numpy or torch integer; not float, not None
+    except TypeError:
+        index = None
+    if isinstance(value, bool) or index is None or not 0 <= index < n:
+        name = getattr(schedule, "__name__", "the schedule")
+        raise ValueError(
+            f"{name}(rank={rank}, step={step}, n={n}) returned {value!r}, not a chunk index 0..{n - 1}"
+        )
+    return index
+
+
+def simulate_ring(values, rs_chunk=reduce_scatter_chunk, ag_chunk=all_gather_chunk, direction: int = +1):
+    """Run a ring all-reduce on ``len(values)`` simulated ranks; return each rank's final tensor.
+
+    ``direction=+1``: rank r sends to r+1 (as ``ring_all_reduce``); ``-1``: to r-1.
+    ``rs_chunk(rank, step, n)`` / ``ag_chunk(rank, step, n)`` say which chunk each rank sends.
+    All ranks send at once; the receiver adds (reduce-scatter) or stores (all-gather)
+    what it gets into the chunk with the same index.
+    """
+    n = len(values)
+    chunks = [v.clone().tensor_split(n) for v in values]
+    for phase, schedule in (("reduce-scatter", rs_chunk), ("all-gather", ag_chunk)):
+        for step in range(n - 1):
+            messages = [(r, _chunk_index(schedule, r, step, n)) for r in range(n)]
+            payloads = [chunks[r][i].clone() for r, i in messages]  # what is on the wire
+            for (r, i), data in zip(messages, payloads):
+                target = chunks[(r + direction) % n][i]
+                if phase == "reduce-scatter":
+                    target.add_(data)
+                else:
+                    target.copy_(data)
+    return [torch.cat(c) for c in chunks]
+
+
+def ring_schedule(n: int) -> list:
+    """Rows (phase, step, chunk sent by each rank) of ``ring_all_reduce`` on ``n`` ranks."""
+    rows = []
+    for phase, schedule in (("reduce-scatter", reduce_scatter_chunk), ("all-gather", all_gather_chunk)):
+        rows += [(phase, step, [schedule(r, step, n) for r in range(n)]) for step in range(n - 1)]
+    return rows
+
+
+# --- Notebook display helpers -------------------------------------------------------------------
+
+
+def _fmt(value) -> str:
+    """Numbers as short as they can be (60.0 -> 60); lists stay lists; None is a dash."""
+    if value is None:
+        return "—"
+    if isinstance(value, float):
+        return f"{value:g}"
+    if isinstance(value, (list, tuple)):
+        return "[" + ", ".join(_fmt(v) for v in value) + "]"
+    return str(value)
+
+
+def markdown_table(header, rows) -> str:
+    lines = ["| " + " | ".join(map(str, header)) + " |", "|" + "---|" * len(header)]
+    lines += ["| " + " | ".join(_fmt(v) for v in row) + " |" for row in rows]
+    return "\n".join(lines)
+
+
+def before_after(results, name: str) -> str:
+    """Markdown table of one demo's before/after per rank, from ``tour()`` results."""
+    rows = [(rank, res[name]["before"], res[name]["after"]) for rank, res in enumerate(results)]
+    return markdown_table(["rank", "before", "after"], rows)
+
+
+def source(fn) -> str:
+    """A function's source as a Markdown code block: what the ranks actually ran."""
+    return "```python\n" + inspect.getsource(fn).rstrip() + "\n```"

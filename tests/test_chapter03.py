@@ -1,0 +1,114 @@
+"""Chapter 03: the collective demos, the ring all-reduce and its cost, and the self-check."""
+
+import numpy as np
+import pytest
+import torch
+
+import distcourse
+from distcourse import checks03, collectives
+
+
+def test_ranks_map_onto_two_nodes_of_two_gpus(no_leftovers):
+    who = distcourse.launch(collectives.whoami, world_size=4, quiet=True)
+    assert [(w["node_if_2x2"], w["local_rank_if_2x2"]) for w in who] == [(0, 0), (0, 1), (1, 0), (1, 1)]
+    assert [w["env"] for w in who] == [{"RANK": r, "LOCAL_RANK": r, "WORLD_SIZE": 4} for r in range(4)]
+
+
+def test_subgroup_reduces_among_members_only(no_leftovers):
+    sub = distcourse.launch(collectives.subgroup_demo, world_size=4, kwargs={"members": (1, 2, 3)}, quiet=True)
+    assert [s["after"] for s in sub] == [[1], [1110], [1110], [1110]]
+    assert [s["rank_in_group"] for s in sub] == [-1, 0, 1, 2]
+
+
+def test_point_to_point(no_leftovers):
+    p2p = distcourse.launch(collectives.send_recv_demo, world_size=2, quiet=True)
+    assert p2p[1]["after send/recv"] == [1, 2, 3] and p2p[0]["after isend/irecv"] == [10, 20, 30]
+    shift = distcourse.launch(collectives.ring_shift_demo, world_size=3, quiet=True)
+    assert [s["after"] for s in shift] == [[20, 21], [0, 1], [10, 11]]
+
+
+def test_blocking_sends_in_a_ring_deadlock(no_leftovers):
+    with pytest.raises(distcourse.LaunchTimeout):
+        distcourse.launch(collectives.everyone_sends_first, world_size=2, timeout=1, collective_timeout=30, quiet=True)
+
+
+@pytest.mark.parametrize("n", [2, 4])
+def test_tour_of_collectives(n, no_leftovers):
+    tour = distcourse.launch(collectives.tour, world_size=n, quiet=True)
+    start = [[10 * r + i for i in range(n)] for r in range(n)]
+    sums = [sum(col) for col in zip(*start)]
+    assert all(t["broadcast"]["after"] == start[0] for t in tour)
+    assert tour[0]["reduce"]["after"] == sums
+    assert all(t["all_reduce SUM"]["after"] == sums for t in tour)
+    assert all(t["all_reduce MAX"]["after"] == [n - 1, 0] for t in tour)
+    assert tour[0]["gather"]["after"] == [[10 * r, 10 * r + 1] for r in range(n)]
+    assert [t["scatter"]["after"] for t in tour] == [[2 * r, 2 * r + 1] for r in range(n)]
+    assert [t["reduce_scatter"]["after"] for t in tour] == [[s] for s in sums]
+    # The fallback (all_reduce, keep own chunk) gives the same pieces as the native operation.
+    assert [t["reduce_scatter via all_reduce"]["after"] for t in tour] == [[s] for s in sums]
+    assert tour[0]["reduce_scatter via all_reduce"]["how"] == "all_reduce, then keep own chunk"
+    assert tour[0]["reduce_scatter"]["how"] == "native dist.reduce_scatter"  # gloo in torch 2.13 has it
+    assert all(t["all_gather"]["after"] == sums for t in tour)
+
+
+@pytest.mark.parametrize("n", [2, 3, 4])
+def test_ring_all_reduce_matches_dist_all_reduce(n, no_leftovers):
+    # 1 element on 3-4 ranks leaves empty chunks; 7 and 1001 do not divide evenly.
+    rows = distcourse.launch(collectives.ring_matches_builtin, world_size=n, args=([1, 7, 1001, 4096],), quiet=True)
+    for rank_rows in rows:
+        for row in rank_rows:
+            if row["values"] == "integers" or n == 2:
+                assert row["equal"], row
+            assert row["max_abs_diff"] < 1e-5, row
+
+
+@pytest.mark.parametrize("n", [2, 3, 4])
+def test_ring_sends_two_n_minus_one_over_n_of_the_tensor(n, no_leftovers):
+    numel = 12 * 100
+    report = distcourse.launch(collectives.traffic_report, world_size=n, args=(numel,), quiet=True)
+    for r, rep in enumerate(report):
+        assert rep["ring"] == {"messages": 2 * (n - 1), "bytes": 2 * (n - 1) * numel * 4 // n}
+        assert rep["naive"]["bytes"] == ((n - 1) if r == 0 else 1) * numel * 4
+        assert rep["same_result"]
+
+
+def test_bandwidth_sweep_is_sane(no_leftovers):
+    sweep = distcourse.launch(collectives.bandwidth_sweep, world_size=2, args=([1024, 2**16], [2, 2]), quiet=True)
+    for r in sweep:
+        assert all(r["equal"])
+        assert all(t > 0 for name in ("ring", "dist.all_reduce") for t in r[name])
+    assert collectives.bus_bandwidth(1000, 0.5, 4) == pytest.approx(3000)
+
+
+@pytest.mark.parametrize("n", [1, 2, 3, 5])
+def test_simulated_ring_sums_in_both_directions(n):
+    values = [torch.arange(2 * n + 1.0) * (r + 1) for r in range(n)]
+    for final in collectives.simulate_ring(values):
+        assert torch.equal(final, sum(values))
+    left = collectives.simulate_ring(
+        values, lambda r, s, n: (r + s) % n, lambda r, s, n: (r - 1 + s) % n, direction=-1
+    )
+    assert all(torch.equal(final, sum(values)) for final in left)
+
+
+def test_self_check_rejects_wrong_answers_and_accepts_right_ones(capsys):
+    stub = lambda rank, step, n: None  # noqa: E731  (the notebook's starting point)
+    assert checks03.check_left_ring(stub, stub) is False
+    assert "Not yet" in capsys.readouterr().out
+    # The chapter's rightward schedule is right for 2 ranks but wrong for a leftward ring of 3.
+    assert checks03.check_left_ring(collectives.reduce_scatter_chunk, collectives.all_gather_chunk) is False
+    assert "n=3" in capsys.readouterr().out
+    assert checks03.check_left_ring(lambda r, s, n: (r + s) % n, lambda r, s, n: (r + s) % n) is False
+    assert checks03.check_left_ring(lambda r, s, n: (r + s) % n, lambda r, s, n: r + s) is False  # index >= n
+    capsys.readouterr()
+    assert checks03.check_left_ring(lambda r, s, n: (r + s) % n, lambda r, s, n: (r - 1 + s) % n) is True
+    assert "Correct" in capsys.readouterr().out
+    # Integer types other than int are fine (numpy), floats are not.
+    assert checks03.check_left_ring(lambda r, s, n: np.int64((r + s) % n), lambda r, s, n: (r - 1 + s) % n) is True
+    assert checks03.check_left_ring(lambda r, s, n: float((r + s) % n), lambda r, s, n: (r - 1 + s) % n) is False
+
+
+def test_markdown_helpers():
+    table = collectives.markdown_table(["rank", "after"], [(0, [60.0, 64.5]), (1, None)])
+    assert table.splitlines() == ["| rank | after |", "|---|---|", "| 0 | [60, 64.5] |", "| 1 | — |"]
+    assert collectives.source(collectives.reduce_scatter_chunk).startswith("```python\ndef reduce_scatter_chunk")
