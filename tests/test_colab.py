@@ -58,7 +58,10 @@ def test_first_chapter_runs_as_in_colab(notebook, tmp_path, monkeypatch):
 
     monkeypatch.setenv("JUPYTER_PATH", str(_kernel_without_site(tmp_path, standin)))
     monkeypatch.setenv("DISTCOURSE_REPO_URL", ROOT.as_uri())
-    monkeypatch.setenv("PIP_PREFIX", str(tmp_path / "prefix"))  # where "Colab" installs the package
+    # Where "Colab" installs the package; ignoring what is installed keeps pip from
+    # uninstalling this environment's own distcourse first.
+    monkeypatch.setenv("PIP_PREFIX", str(tmp_path / "prefix"))
+    monkeypatch.setenv("PIP_IGNORE_INSTALLED", "1")
 
     nb = nbformat.read(content / notebook.name, as_version=4)
     probe = nbformat.v4.new_code_cell("import distcourse; print(distcourse.__file__)")
@@ -74,6 +77,10 @@ def test_first_chapter_runs_as_in_colab(notebook, tmp_path, monkeypatch):
     assert installed, "the setup cell did not install the companion package"
     used = probe.outputs[0]["text"].strip()
     assert used.startswith(str(clone)), f"the notebook used {used}, not the course it fetched"
+    # and this environment's own installation is untouched
+    check = subprocess.run([sys.executable, "-c", "import distcourse; print(distcourse.__file__)"],
+                           capture_output=True, text=True, cwd=tmp_path)
+    assert check.stdout.strip() == str(ROOT / "code" / "distcourse" / "__init__.py"), check.stderr
 
 
 def test_every_language_with_chapters_is_covered():
