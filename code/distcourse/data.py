@@ -93,8 +93,19 @@ def epoch_seconds(loader) -> float:
 
 
 def throughput(dataset, num_workers: int, batch_size: int = 8, repeats: int = 1, **loader_kwargs) -> float:
-    """Samples per second for one epoch (best of ``repeats``)."""
-    loader = _loader(dataset, batch_size=batch_size, num_workers=num_workers, **loader_kwargs)
+    """Steady-state samples per second: best of ``repeats`` epochs.
+
+    With workers, a first epoch that starts them is run and not counted
+    (``persistent_workers`` keeps them for the measured epochs): this measures
+    how fast workers load, not how fast the machine forks processes, which
+    varies far more with load. Section 4 of chapter 01 measures the start-up.
+    """
+    persistent = num_workers > 0
+    loader = _loader(
+        dataset, batch_size=batch_size, num_workers=num_workers, persistent_workers=persistent, **loader_kwargs
+    )
+    if persistent:
+        epoch_seconds(loader)
     best = min(epoch_seconds(loader) for _ in range(repeats))
     return len(dataset) / best
 
