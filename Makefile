@@ -6,7 +6,9 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: book test bench times stress clean
+NODE_STAMP := node_modules/.package-lock.json
+
+.PHONY: book test bench times stress slides clean
 
 $(STAMP): requirements.txt pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -14,14 +16,22 @@ $(STAMP): requirements.txt pyproject.toml
 	$(PY) -m pip install --quiet --no-deps -e .
 	touch $(STAMP)
 
+# reveal.js & co. for offline slides (package.json); without npm the slide tests are skipped.
+$(NODE_STAMP): package.json package-lock.json
+	if command -v npm >/dev/null; then npm ci --no-audit --no-fund; else echo "npm not found: no slides"; fi
+
 book: $(STAMP)
 	$(PY) tools/build_book.py
 
-test: $(STAMP)
+test: $(STAMP) $(NODE_STAMP)
+	bash tools/install_browser.sh
 	$(PY) -m pytest
 
 bench: $(STAMP)
 	$(PY) benchmarks/launch_bench.py
+
+slides: $(STAMP) $(NODE_STAMP)
+	$(PY) tools/build_slides.py
 
 stress: $(STAMP)
 	$(PY) -m pytest -m stress tests/test_stress.py
