@@ -315,7 +315,8 @@ def launch(
                 sentinels.clear()
         failure = None
         if failures:
-            rank = min(failures, key=lambda r: (failures[r][0], r))
+            # Blame the earliest failure that is not just "my peer vanished".
+            rank = min(failures, key=lambda r: (_is_consequence(failures[r][1]), failures[r][0], r))
             failure = (rank, failures[rank][1])
         running = [rank for rank, p in enumerate(processes) if p.is_alive() and failure is None]
     except BaseException:

@@ -1,0 +1,453 @@
+"""DistributedDataParallel, one behaviour at a time (chapter 04).
+
+Rank functions (run by ``distcourse.launch``) and the helpers the notebook
+checks them with, by section of the chapter:
+
+2. ``DistributedSampler``: ``sampler_orders``, ``sampler_demo``;
+3. 2 ranks x B = 1 process x 2B: ``ddp_gradients``, ``reference_gradients``;
+4. gradient accumulation and ``no_sync``: ``CommCounter``, ``counting_hook``, ``accumulated_gradients``;
+5. buckets: ``bucket_timeline``;
+6. uneven inputs and ``Join``: ``uneven_inputs``, ``key_line``;
+7. parameters without gradients: ``TwoHeads``, ``unused_branch``;
+8. a slow rank: ``skewed_speed``;
+9. BatchNorm across ranks: ``AllReduceBatchNorm1d``, ``batchnorm_step``, ``syncbn_on_cpu``;
+10. throughput of 1 vs 2 ranks: ``throughput_run``.
+
+Section 1's ``mp.spawn`` program is a script: ``distcourse/scripts/ddp_spawn_example.py``.
+The model and the data are chapter 02's (``data_parallel.mlp``, scikit-learn's
+digits). The notebook loads the data and sends tensors to the ranks, so that
+no rank has to import scikit-learn.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import re
+import time
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
+from torch.distributed.algorithms.join import Join
+from torch.nn.parallel import DistributedDataParallel as DDP
+from torch.utils.data import DistributedSampler
+
+from .data_parallel import mlp, params_of
+from .hardware import rank_device
+
+
+def wrap(model: nn.Module, **ddp_kwargs) -> DDP:
+    """Move ``model`` to this rank's device and wrap it; DDP broadcasts rank 0's weights."""
+    device = rank_device()
+    model.to(device)
+    return DDP(model, device_ids=[device.index] if device.type == "cuda" else None, **ddp_kwargs)
+
+
+def my_share(x: torch.Tensor, y: torch.Tensor):
+    """This rank's samples of a batch, as a ``DistributedSampler`` without shuffling deals
+    them: rank r gets samples r, r + W, r + 2W, ..."""
+    index = list(DistributedSampler(range(len(x)), shuffle=False))
+    return x[index].to(rank_device()), y[index].to(rank_device()), index
+
+
+def grads_of(model: nn.Module) -> list[torch.Tensor]:
+    return [p.grad.detach().cpu().clone() for p in model.parameters()]
+
+
+def clock() -> float:
+    """Wall time that includes the GPU's queued work: CUDA runs asynchronously, so
+    without a synchronize a timer would measure only how fast work was queued."""
+    if rank_device().type == "cuda":
+        torch.cuda.synchronize()
+    return time.perf_counter()
+
+
+def max_gap(a, b) -> float:
+    """Largest absolute difference between two lists of tensors of the same shapes."""
+    return max((p.cpu() - q.cpu()).abs().max().item() for p, q in zip(a, b))
+
+
+# --- 2. DistributedSampler ----------------------------------------------------------------
+
+
+def sampler_orders(size: int, epochs: int = 3, set_epoch: bool = True, drop_last: bool = False):
+    """The indices this rank's ``DistributedSampler`` yields in each of ``epochs`` epochs.
+
+    The sampler asks the process group for the rank and the world size. It shuffles
+    with a generator seeded by ``seed + epoch``: the same permutation on every rank,
+    of which each rank takes every W-th element.
+    """
+    sampler = DistributedSampler(range(size), shuffle=True, seed=0, drop_last=drop_last)
+    orders = []
+    for epoch in range(epochs):
+        if set_epoch:
+            sampler.set_epoch(epoch)  # without it, the epoch stays 0: the same order every time
+        orders.append(list(sampler))
+    return orders
+
+
+def sampler_demo(configs: dict) -> dict:
+    """``sampler_orders(**kwargs)`` for each named configuration, in one launch."""
+    return {name: sampler_orders(**kwargs) for name, kwargs in configs.items()}
+
+
+# --- 3. Two ranks x B = one process x 2B --------------------------------------------------
+
+
+def ddp_gradients(x, y, model_kwargs: dict) -> dict:
+    """Gradients of this rank's share of the batch: first local (``no_sync``), then through DDP."""
+    ddp = wrap(mlp(**model_kwargs))
+    xs, ys, index = my_share(x, y)
+    with ddp.no_sync():  # backward without the all-reduce: this rank's own gradient
+        F.cross_entropy(ddp(xs), ys).backward()
+    local = grads_of(ddp.module)
+    ddp.zero_grad()
+    F.cross_entropy(ddp(xs), ys).backward()  # DDP averages the gradients during backward
+    return {"samples": index, "local": local, "ddp": grads_of(ddp.module)}
+
+
+def reference_gradients(x, y, model_kwargs: dict) -> list[torch.Tensor]:
+    """One process, the whole batch, mean loss: the gradients DDP must reproduce."""
+    model = mlp(**model_kwargs)
+    F.cross_entropy(model(x), y).backward()
+    return grads_of(model)
+
+
+# --- 4. Counting all-reduces (a communication hook), gradient accumulation ----------------
+
+
+class CommCounter:
+    """State of :func:`counting_hook`: one entry per bucket DDP handed to the hook."""
+
+    def __init__(self, events: list | None = None):
+        self.buckets: list[int] = []  # number of gradient values in each all-reduced bucket
+        self.events = events  # optional shared timeline (see bucket_timeline)
+
+    @property
+    def calls(self) -> int:
+        return len(self.buckets)
+
+
+def counting_hook(counter, bucket):  # no type hints: DDP checks them, and these would be strings
+    """A DDP communication hook: note the bucket, then all-reduce it as DDP would.
+
+    DDP calls the hook once per bucket, as soon as every gradient in it is ready;
+    ``allreduce_hook`` is PyTorch's own default (divide by the world size, all-reduce).
+    """
+    counter.buckets.append(bucket.buffer().numel())
+    if counter.events is not None:
+        counter.events.append(f"all-reduce of bucket {bucket.index()} starts")
+    return default_hooks.allreduce_hook(None, bucket)
+
+
+def accumulated_gradients(x, y, micro_batches: int, model_kwargs: dict) -> dict:
+    """Gradient accumulation over ``micro_batches`` per rank, with and without ``no_sync``.
+
+    Each micro-batch's loss is divided by ``micro_batches``, so that the accumulated
+    gradient is the mean over the rank's whole share, as one big backward would give.
+    """
+    xs, ys, _ = my_share(x, y)
+    out = {}
+    for use_no_sync in (False, True):
+        ddp, counter = wrap(mlp(**model_kwargs)), CommCounter()
+        ddp.register_comm_hook(counter, counting_hook)
+        pieces = list(zip(xs.chunk(micro_batches), ys.chunk(micro_batches)))
+        for i, (xm, ym) in enumerate(pieces):
+            last = i == len(pieces) - 1
+            # no_sync: backward only adds to .grad; the all-reduce waits for the last micro-batch
+            skip = ddp.no_sync() if use_no_sync and not last else contextlib.nullcontext()
+            with skip:
+                (F.cross_entropy(ddp(xm), ym) / micro_batches).backward()
+        out["no_sync" if use_no_sync else "plain"] = {"grads": grads_of(ddp.module), "all_reduces": counter.calls}
+    return out
+
+
+# --- 5. Buckets ---------------------------------------------------------------------------
+
+
+def bucket_timeline(x, y, caps_mb, model_kwargs: dict, steps: int = 3) -> dict:
+    """For each ``bucket_cap_mb``: buckets per backward, their sizes, and the order of events.
+
+    The timeline interleaves "gradient of <parameter> computed" (a tensor hook on each
+    parameter) with "all-reduce of bucket i starts" (the communication hook), for the
+    last step. Buckets of a DDP model are fixed after the first backward, which runs
+    with one single bucket while DDP records the order gradients arrive in.
+    """
+    xs, ys, _ = my_share(x, y)
+    out = {}
+    for cap in caps_mb:
+        ddp, events = wrap(mlp(**model_kwargs), bucket_cap_mb=cap), []
+        for name, p in ddp.module.named_parameters():
+            p.register_hook(lambda grad, name=name: events.append(f"gradient of {name} computed"))
+        counter = CommCounter(events)
+        ddp.register_comm_hook(counter, counting_hook)
+        per_step = []
+        for _ in range(steps):
+            events.clear()
+            before = counter.calls
+            F.cross_entropy(ddp(xs), ys).backward()
+            per_step.append(counter.calls - before)
+        last = counter.buckets[-per_step[-1] :]
+        out[cap] = {"buckets_per_step": per_step, "bucket_sizes": last, "timeline": list(events)}
+    return out
+
+
+# --- 6. Uneven inputs ---------------------------------------------------------------------
+
+
+def uneven_inputs(batches_per_rank, use_join: bool, model_kwargs: dict, divide_by_initial_world_size: bool = True):
+    """Train on ``batches_per_rank[rank]`` batches, then wait for everyone at a barrier.
+
+    Without ``Join`` the rank with more batches waits in its next all-reduce for a rank
+    that has already left the loop, and that rank waits at the barrier: neither ever
+    proceeds. With ``Join`` a rank that runs out of data keeps answering the others'
+    all-reduces (with zeros) until every rank is done.
+    """
+    rank = dist.get_rank()
+    ddp = wrap(mlp(**model_kwargs))
+    optimizer = torch.optim.SGD(ddp.parameters(), lr=0.1)
+    generator = torch.Generator().manual_seed(rank)
+    if use_join:  # a rank out of data shadows the others' all-reduces until all are done
+        joining = Join([ddp], divide_by_initial_world_size=divide_by_initial_world_size)
+    else:
+        joining = contextlib.nullcontext()
+    try:
+        with joining:
+            for _ in range(batches_per_rank[rank]):
+                x = torch.randn(8, 64, generator=generator).to(rank_device())
+                y = torch.randint(10, (8,), generator=generator).to(rank_device())
+                optimizer.zero_grad()
+                F.cross_entropy(ddp(x), y).backward()
+                optimizer.step()
+        print(f"finished {batches_per_rank[rank]} batches")
+        dist.barrier()  # everyone waits for everyone, e.g. before rank 0 saves a checkpoint (chapter 05)
+    except RuntimeError as error:  # say what went wrong on *this* rank, then fail as before
+        print(f"{type(error).__name__}: {_CPP_LOCATION.sub('', str(error))}")
+        raise
+    return {"batches": batches_per_rank[rank], "params": params_of(ddp.module)}
+
+
+def key_line(text: str, *needles: str) -> str:
+    """The first line of an error text that contains one of ``needles`` (case-insensitive),
+    without the C++ source location that gloo puts in front of its messages."""
+    for line in text.splitlines():
+        if any(n.lower() in line.lower() for n in needles):
+            return _CPP_LOCATION.sub("", line.strip())
+    return text.strip().splitlines()[-1] if text.strip() else ""
+
+
+_CPP_LOCATION = re.compile(r"\[/[^\]]*\] ")  # e.g. "[/path/to/gloo/unbound_buffer.cc:78] "
+
+
+# --- 7. Parameters that get no gradient ---------------------------------------------------
+
+
+class TwoHeads(nn.Module):
+    """A trunk with two heads; ``forward`` uses only ``main`` (``aux`` is switched off,
+    as an auxiliary loss often is after some epochs)."""
+
+    def __init__(self):
+        super().__init__()
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(0)
+            self.trunk = nn.Linear(64, 32)
+            self.main = nn.Linear(32, 10)
+            self.aux = nn.Linear(32, 10)
+
+    def forward(self, x):
+        return self.main(torch.relu(self.trunk(x)))
+
+
+def unused_branch(x, y, find_unused_parameters: bool, steps: int = 2) -> dict:
+    """A few training steps of ``TwoHeads`` under DDP."""
+    ddp = wrap(TwoHeads(), find_unused_parameters=find_unused_parameters)
+    optimizer = torch.optim.SGD(ddp.parameters(), lr=0.1)
+    xs, ys, _ = my_share(x, y)
+    for step in range(steps):
+        optimizer.zero_grad()
+        F.cross_entropy(ddp(xs), ys).backward()
+        optimizer.step()
+        print(f"step {step} done")
+    return {"aux_grad_is_none": ddp.module.aux.weight.grad is None, "params": params_of(ddp.module)}
+
+
+# --- 8. A slow rank -----------------------------------------------------------------------
+
+
+def skewed_speed(x, y, model_kwargs: dict, slow_rank: int = 1, extra_seconds: float = 0.05, steps: int = 8) -> dict:
+    """Seconds per phase over ``steps`` steps, when ``slow_rank`` needs ``extra_seconds`` more
+    per step (a slower GPU, a busier node, a longer sequence...). The extra time is a sleep
+    in the first phase."""
+    rank = dist.get_rank()
+    ddp = wrap(mlp(**model_kwargs))
+    optimizer = torch.optim.SGD(ddp.parameters(), lr=0.1)
+    xs, ys, _ = my_share(x, y)
+    phases = ["forward + own work", "backward (incl. waiting for the all-reduce)", "optimizer step"]
+    seconds = dict.fromkeys(phases, 0.0)
+    for step in range(steps + 1):  # step 0 is a warm-up: first calls allocate memory
+        t0 = clock()
+        if rank == slow_rank:
+            time.sleep(extra_seconds)
+        loss = F.cross_entropy(ddp(xs), ys)
+        t1 = clock()
+        loss.backward()  # finishes only when every bucket's all-reduce has finished
+        t2 = clock()
+        optimizer.step()
+        optimizer.zero_grad()
+        t3 = clock()
+        if step > 0:
+            for phase, dt in zip(phases, (t1 - t0, t2 - t1, t3 - t2)):
+                seconds[phase] += dt
+    return seconds
+
+
+# --- 9. BatchNorm across ranks ------------------------------------------------------------
+
+
+class _SumOverRanks(torch.autograd.Function):
+    """all_reduce(SUM) that autograd can see through: the gradient of a sum over ranks,
+    with respect to each rank's input, is the sum of the gradients over ranks."""
+
+    @staticmethod
+    def forward(ctx, tensor):
+        tensor = tensor.clone()
+        dist.all_reduce(tensor)
+        return tensor
+
+    @staticmethod
+    def backward(ctx, grad):
+        grad = grad.clone()
+        dist.all_reduce(grad)
+        return grad
+
+
+class AllReduceBatchNorm1d(nn.BatchNorm1d):
+    """BatchNorm1d that normalises with the statistics of the *global* batch.
+
+    In training, every rank all-reduces three things per channel over its chunk:
+    the count, the sum and the sum of squares (chapter 02's ``combined_moments``,
+    across processes). Mean and variance follow from them. ``nn.SyncBatchNorm``
+    does the same on GPUs (it all-gathers each rank's mean, variance and count).
+    E[x^2] - E[x]^2 loses precision when the mean is large compared with the
+    spread; it is fine for the activations here.
+    """
+
+    def forward(self, x):
+        if not (self.training and dist.is_initialized() and dist.get_world_size() > 1):
+            return super().forward(x)
+        channels = x.shape[1]
+        count = torch.full((1,), float(x.shape[0]), device=x.device, dtype=x.dtype)
+        totals = _SumOverRanks.apply(torch.cat([count, x.sum(dim=0), (x * x).sum(dim=0)]))
+        n, mean = totals[0], totals[1 : 1 + channels] / totals[0]
+        var = totals[1 + channels :] / n - mean * mean  # biased: what normalisation uses
+        if self.track_running_stats:
+            with torch.no_grad():  # running_var is kept unbiased, as nn.BatchNorm1d does
+                self.num_batches_tracked += 1
+                # momentum=None means a cumulative average, as in nn.BatchNorm1d
+                factor = self.momentum if self.momentum is not None else 1.0 / self.num_batches_tracked.item()
+                self.running_mean.lerp_(mean, factor)
+                self.running_var.lerp_(var * n / (n - 1), factor)
+        y = (x - mean) / torch.sqrt(var + self.eps)
+        return y * self.weight + self.bias if self.affine else y
+
+
+def with_allreduce_batchnorm(module: nn.Module) -> nn.Module:
+    """Replace every BatchNorm1d by an AllReduceBatchNorm1d with the same state (in place),
+    as ``nn.SyncBatchNorm.convert_sync_batchnorm`` does for SyncBatchNorm."""
+    for name, child in module.named_children():
+        if type(child) is nn.BatchNorm1d:
+            synced = AllReduceBatchNorm1d(
+                child.num_features, child.eps, child.momentum, child.affine, child.track_running_stats
+            )
+            synced.load_state_dict(child.state_dict())
+            setattr(module, name, synced)
+        else:
+            with_allreduce_batchnorm(child)
+    return module
+
+
+def batchnorm_step(x, y, model_kwargs: dict, kind: str, lr: float = 0.1) -> dict:
+    """One DDP training step of an MLP with BatchNorm, each rank on its share of the batch.
+
+    kind: "local" (plain BatchNorm1d: each rank's own statistics), "allreduce"
+    (AllReduceBatchNorm1d) or "sync" (``nn.SyncBatchNorm``, GPUs only).
+    Returns this rank's sample indices, its outputs, the BatchNorm buffers and the
+    parameters after the step.
+    """
+    model = mlp(batchnorm=True, **model_kwargs)
+    if kind == "allreduce":
+        with_allreduce_batchnorm(model)
+    elif kind == "sync":
+        model = nn.SyncBatchNorm.convert_sync_batchnorm(model)
+    ddp = wrap(model)
+    optimizer = torch.optim.SGD(ddp.parameters(), lr=lr)
+    xs, ys, index = my_share(x, y)
+    out = ddp(xs)
+    F.cross_entropy(out, ys).backward()
+    optimizer.step()
+    bn = next(m for m in model.modules() if isinstance(m, nn.modules.batchnorm._BatchNorm))
+    print(f"{type(bn).__name__} on {xs.device}: {len(index)} samples of {len(x)}")
+    return {
+        "samples": index,
+        "out": out.detach().cpu(),
+        "running_mean": bn.running_mean.cpu(),
+        "running_var": bn.running_var.cpu(),
+        "params": params_of(model),
+    }
+
+
+def reference_batchnorm_step(x, y, model_kwargs: dict, lr: float = 0.1) -> dict:
+    """The same step in one process on the whole batch: what synchronised BatchNorm must match."""
+    model = mlp(batchnorm=True, **model_kwargs)
+    optimizer = torch.optim.SGD(model.parameters(), lr=lr)
+    out = model(x)
+    F.cross_entropy(out, y).backward()
+    optimizer.step()
+    bn = next(m for m in model.modules() if isinstance(m, nn.BatchNorm1d))
+    stats = {"running_mean": bn.running_mean.clone(), "running_var": bn.running_var.clone()}
+    return {"out": out.detach(), **stats, "params": params_of(model)}
+
+
+def syncbn_on_cpu() -> str:
+    """Try ``nn.SyncBatchNorm`` in training mode on CPU tensors; return the error it raises."""
+    layer = nn.SyncBatchNorm(4)
+    try:
+        layer(torch.randn(8, 4))
+    except ValueError as error:
+        print(f"SyncBatchNorm on a CPU tensor: ValueError: {error}")
+        return str(error)
+    return ""
+
+
+# --- 10. Throughput -----------------------------------------------------------------------
+
+
+def throughput_run(x, y, global_batch: int, steps: int, model_kwargs: dict, lr: float = 0.05) -> dict:
+    """Train ``steps`` steps of ``global_batch`` samples, split over the ranks; time them.
+
+    Step s uses the s-th slice of ``global_batch`` samples of (x, y), cycling through
+    the data; each rank takes its share. So one rank and two ranks see exactly the
+    same global batches and, up to float rounding, take the same steps.
+    """
+    world = dist.get_world_size()
+    ddp = wrap(mlp(**model_kwargs))
+    optimizer = torch.optim.SGD(ddp.parameters(), lr=lr)
+    batches = len(x) // global_batch
+    dist.barrier()  # start the clock together
+    start = clock()
+    for step in range(steps):
+        lo = (step % batches) * global_batch
+        xs, ys, index = my_share(x[lo : lo + global_batch], y[lo : lo + global_batch])
+        optimizer.zero_grad()
+        F.cross_entropy(ddp(xs), ys).backward()
+        optimizer.step()
+    seconds = clock() - start
+    return {
+        "samples": steps * len(index),
+        "seconds": seconds,
+        "threads": torch.get_num_threads(),
+        "world_size": world,
+        "params": params_of(ddp.module),
+    }

@@ -1,0 +1,97 @@
+"""The basic DistributedDataParallel program, started with ``mp.spawn``.
+
+    python -m distcourse.scripts.ddp_spawn_example [--world-size 2]
+
+Every rank builds a tiny model, joins the process group, wraps the model in DDP,
+takes one optimizer step on its own random batch and leaves the group. The ranks
+start from *different* random weights on purpose: DDP copies rank 0's weights to
+every rank when it wraps the model, so they agree anyway.
+"""
+
+import argparse
+import datetime
+import os
+import socket
+import sys
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+from torch import nn
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+
+class ToyModel(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.net = nn.Sequential(nn.Linear(10, 10), nn.ReLU(), nn.Linear(10, 5))
+
+    def forward(self, x):
+        return self.net(x)
+
+
+def free_port() -> int:
+    """Bind to port 0 and the OS picks a free port (never hard-code one: it may be taken)."""
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def say(line: str) -> None:
+    """Print a line in one write: the ranks share this terminal, and print() may write the
+    text and the newline separately, letting another rank's line slip in between."""
+    sys.stdout.write(line + "\n")
+    sys.stdout.flush()
+
+
+def checksum(model: nn.Module) -> float:
+    return sum(p.detach().double().sum().item() for p in model.parameters())
+
+
+def train(rank: int, world_size: int, port: int) -> None:
+    """What every rank runs; mp.spawn passes the rank as the first argument."""
+    os.environ["MASTER_ADDR"] = "127.0.0.1"  # rank 0 listens here, the others connect
+    os.environ["MASTER_PORT"] = str(port)
+    # gloo connects over the interface the hostname resolves to; on one machine, use loopback
+    os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo0" if sys.platform == "darwin" else "lo")
+    use_gpu = torch.cuda.device_count() >= world_size
+    backend = "nccl" if use_gpu else "gloo"
+    # An explicit timeout: by default a stuck rank would wait 10 to 30 minutes.
+    dist.init_process_group(backend, rank=rank, world_size=world_size, timeout=datetime.timedelta(seconds=60))
+    try:
+        device = torch.device("cuda", rank) if use_gpu else torch.device("cpu")
+        if use_gpu:
+            torch.cuda.set_device(device)
+        torch.manual_seed(rank)  # different initial weights on every rank...
+        model = ToyModel().to(device)
+        before = checksum(model)
+        ddp = DDP(model, device_ids=[rank] if use_gpu else None)  # ...until DDP broadcasts rank 0's
+        wrapped = checksum(model)
+
+        optimizer = torch.optim.SGD(ddp.parameters(), lr=0.01)
+        x, y = torch.randn(20, 10, device=device), torch.randn(20, 5, device=device)  # this rank's data
+        optimizer.zero_grad()
+        loss = nn.functional.mse_loss(ddp(x), y)
+        loss.backward()  # DDP averages the gradients across ranks during backward
+        optimizer.step()
+        say(
+            f"rank {rank}/{world_size} ({backend}, {device}): loss {loss.item():.4f} | weight sum "
+            f"before DDP {before:+.6f} | after wrapping {wrapped:+.6f} | after the step {checksum(model):+.6f}"
+        )
+    finally:
+        dist.destroy_process_group()  # always leave the group, even after an error
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description="the basic DDP example, started with mp.spawn")
+    parser.add_argument("--world-size", type=int, default=2)
+    world_size = parser.parse_args().world_size
+    port = free_port()
+    say(f"spawning {world_size} ranks; MASTER_ADDR=127.0.0.1 MASTER_PORT={port}")
+    # A new Python interpreter per rank; join=True waits for all of them and raises if one fails.
+    mp.spawn(train, args=(world_size, port), nprocs=world_size, join=True)
+    say("all ranks finished")
+
+
+if __name__ == "__main__":
+    main()

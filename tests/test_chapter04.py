@@ -1,0 +1,176 @@
+"""The chapter 04 helpers do what the chapter says, and its self-check can fail."""
+
+import math
+import os
+
+import pytest
+import torch
+from torch import nn
+
+import distcourse
+from distcourse import checks04, ddp
+from distcourse import data_parallel as dp
+from distcourse.scripts import ddp_spawn_example
+
+pytestmark = pytest.mark.usefixtures("no_leftovers")
+MODEL = {"width": 16}
+
+
+@pytest.fixture(scope="module")
+def batch():
+    generator = torch.Generator().manual_seed(0)  # random "digits": no scikit-learn needed here
+    return torch.rand(32, 64, generator=generator), torch.randint(10, (32,), generator=generator)
+
+
+def right_shard(size, world_size, rank, epoch, seed=0):
+    """The answer to the exercise."""
+    generator = torch.Generator().manual_seed(seed + epoch)
+    order = torch.randperm(size, generator=generator).tolist()
+    order += order[: math.ceil(size / world_size) * world_size - size]
+    return order[rank::world_size]
+
+
+def test_spawn_script_trains_one_rank_in_process(monkeypatch, capsys):
+    """The script's rank function, as one rank in this process (the notebook runs it with mp.spawn)."""
+    for name in ("MASTER_ADDR", "MASTER_PORT", "GLOO_SOCKET_IFNAME"):
+        monkeypatch.setenv(name, os.environ.get(name, ""))  # restored after the test
+    monkeypatch.delenv("GLOO_SOCKET_IFNAME")
+    ddp_spawn_example.train(0, 1, ddp_spawn_example.free_port())
+    line = capsys.readouterr().out
+    assert line.startswith("rank 0/1 (gloo, cpu)") and "after the step" in line
+    assert not torch.distributed.is_initialized()  # destroyed in finally
+    assert ddp_spawn_example.ToyModel()(torch.randn(3, 10)).shape == (3, 5)
+
+
+def test_sampler_shards_are_disjoint_and_set_epoch_reshuffles():
+    orders = distcourse.launch(
+        ddp.sampler_demo, 2, args=({"fixed": dict(size=10, set_epoch=False), "moving": dict(size=11)},), quiet=True
+    )
+    for epoch in range(3):
+        assert orders[0]["fixed"][epoch] == orders[0]["fixed"][0]
+        r0, r1 = orders[0]["moving"][epoch], orders[1]["moving"][epoch]
+        assert len(r0) == len(r1) == 6 and set(r0 + r1) == set(range(11))
+        assert r0 == right_shard(11, 2, 0, epoch) and r1 == right_shard(11, 2, 1, epoch)
+    assert orders[0]["moving"][0] != orders[0]["moving"][1]
+
+
+def test_ddp_gradients_equal_the_full_batch(batch):
+    x, y = batch
+    grads = distcourse.launch(ddp.ddp_gradients, 2, args=(x, y, MODEL), quiet=True)
+    reference = ddp.reference_gradients(x, y, MODEL)
+    assert ddp.max_gap(grads[0]["local"], grads[1]["local"]) > 1e-4
+    assert ddp.max_gap(grads[0]["ddp"], grads[1]["ddp"]) == 0
+    assert ddp.max_gap(grads[0]["ddp"], reference) < 1e-6
+
+
+def test_no_sync_saves_all_reduces_but_not_accuracy(batch):
+    x, y = batch
+    acc = distcourse.launch(ddp.accumulated_gradients, 2, args=(x, y, 4, MODEL), quiet=True)
+    reference = ddp.reference_gradients(x, y, MODEL)
+    assert acc[0]["plain"]["all_reduces"] == 4 and acc[0]["no_sync"]["all_reduces"] == 1
+    for variant in ("plain", "no_sync"):
+        assert ddp.max_gap(acc[1][variant]["grads"], reference) < 1e-6
+
+
+def test_smaller_buckets_are_more_and_overlap_backward(batch):
+    x, y = batch
+    model = {"width": 128, "depth": 2}
+    out = distcourse.launch(ddp.bucket_timeline, 2, args=(x, y, [25, 0.05], model), quiet=True)[0]
+    assert out[25]["buckets_per_step"] == [1, 1, 1]
+    assert out[0.05]["buckets_per_step"][0] == 1 and out[0.05]["buckets_per_step"][-1] > 1
+    n_params = sum(p.numel() for p in dp.mlp(**model).parameters())
+    assert sum(out[0.05]["bucket_sizes"]) == n_params
+    events = out[0.05]["timeline"]
+    assert events[0].startswith("gradient") and events[-1].startswith("all-reduce")
+    first_send = next(i for i, e in enumerate(events) if e.startswith("all-reduce"))
+    assert any(e.startswith("gradient") for e in events[first_send:])
+
+
+def test_uneven_inputs_hang_without_join_and_finish_with_it():
+    with pytest.raises((distcourse.RankFailed, distcourse.LaunchTimeout)) as caught:
+        distcourse.launch(ddp.uneven_inputs, 2, args=([1, 2], False, MODEL), collective_timeout=2, timeout=30, quiet=True)
+    assert "timed out" in ddp.key_line("\n".join(caught.value.outputs.values()), "timed out").lower()
+    joined = distcourse.launch(ddp.uneven_inputs, 2, args=([1, 2], True, MODEL), collective_timeout=5, quiet=True)
+    assert [r["batches"] for r in joined] == [1, 2]
+    assert ddp.max_gap(joined[0]["params"], joined[1]["params"]) == 0
+
+
+def test_key_line_drops_the_cpp_location():
+    text = "Traceback...\nRuntimeError: [/src/gloo/unbound_buffer.cc:78] Timed out waiting 3000ms for recv\n"
+    assert ddp.key_line(text, "timed out") == "RuntimeError: Timed out waiting 3000ms for recv"
+    assert ddp.key_line("first\nlast line", "absent") == "last line"
+
+
+def test_unused_parameters_fail_until_ddp_is_told(batch):
+    x, y = batch
+    with pytest.raises(distcourse.RankFailed, match="find_unused_parameters=True"):
+        distcourse.launch(ddp.unused_branch, 2, args=(x, y, False), quiet=True)
+    fixed = distcourse.launch(ddp.unused_branch, 2, args=(x, y, True), quiet=True)
+    assert fixed[0]["aux_grad_is_none"] and ddp.max_gap(fixed[0]["params"], fixed[1]["params"]) == 0
+
+
+def test_the_fast_rank_waits_for_the_slow_one(batch):
+    x, y = batch
+    skew = distcourse.launch(ddp.skewed_speed, 2, args=(x, y, MODEL), kwargs={"extra_seconds": 0.04, "steps": 4}, quiet=True)
+    backward = "backward (incl. waiting for the all-reduce)"
+    assert skew[0][backward] > skew[1][backward] + 0.5 * 4 * 0.04
+
+
+def test_allreduce_batchnorm_falls_back_to_batchnorm_without_a_group():
+    torch.manual_seed(0)
+    h = torch.randn(12, 5) * 2 + 1
+    plain, synced = nn.BatchNorm1d(5), ddp.with_allreduce_batchnorm(nn.Sequential(nn.BatchNorm1d(5)))[0]
+    assert isinstance(synced, ddp.AllReduceBatchNorm1d)
+    assert torch.allclose(plain(h), synced(h)) and torch.allclose(plain.running_var, synced.running_var)
+
+
+def test_allreduce_batchnorm_is_full_batch_batchnorm(batch):
+    x, y = batch
+    reference = ddp.reference_batchnorm_step(x, y, MODEL)
+    for kind, close in (("local", False), ("allreduce", True)):
+        results = distcourse.launch(ddp.batchnorm_step, 2, args=(x, y, MODEL, kind), quiet=True)
+        out = torch.empty_like(reference["out"])
+        for r in results:
+            out[r["samples"]] = r["out"]
+        assert torch.allclose(out, reference["out"], atol=1e-5) is close
+        if close:
+            assert torch.allclose(results[1]["running_var"], reference["running_var"], atol=1e-5)
+            assert ddp.max_gap(results[1]["params"], reference["params"]) < 1e-5
+
+
+def test_syncbatchnorm_refuses_cpu_tensors():
+    messages = distcourse.launch(ddp.syncbn_on_cpu, 2, quiet=True)
+    assert all("expected input tensor to be on GPU" in m for m in messages)
+
+
+def test_one_and_two_ranks_train_the_same_weights(batch):
+    x, y = batch
+    kwargs = dict(global_batch=16, steps=4, model_kwargs=MODEL)
+    one = distcourse.launch(ddp.throughput_run, 1, threads=1, backend="gloo", args=(x, y), kwargs=kwargs, quiet=True)
+    two = distcourse.launch(ddp.throughput_run, 2, threads=1, backend="gloo", args=(x, y), kwargs=kwargs, quiet=True)
+    assert one[0]["samples"] == sum(r["samples"] for r in two) == 64
+    assert ddp.max_gap(one[0]["params"], two[0]["params"]) < 1e-5
+
+
+def test_self_check_rejects_wrong_answers_and_accepts_the_right_one(capsys):
+    def no_padding(size, world_size, rank, epoch, seed=0):
+        generator = torch.Generator().manual_seed(seed + epoch)
+        return torch.randperm(size, generator=generator).tolist()[rank::world_size]
+
+    def ignores_the_epoch(size, world_size, rank, epoch, seed=0):
+        return right_shard(size, world_size, rank, 0, seed)
+
+    def contiguous_blocks(size, world_size, rank, epoch, seed=0):
+        order = right_shard(size, world_size, 0, epoch, seed) + right_shard(size, world_size, 1, epoch, seed)
+        n = len(order) // 2
+        return order[rank * n : (rank + 1) * n]
+
+    assert checks04.check_shard(lambda *args, **kwargs: None) is False
+    assert "returned None" in capsys.readouterr().out
+    assert checks04.check_shard(no_padding) is False
+    assert "pad" in capsys.readouterr().out
+    assert checks04.check_shard(ignores_the_epoch) is False
+    assert "seed + epoch" in capsys.readouterr().out
+    assert checks04.check_shard(contiguous_blocks) is False
+    assert checks04.check_shard(right_shard) is True
+    assert "Correct" in capsys.readouterr().out
