@@ -1,0 +1,58 @@
+"""Self-check for the exercise of chapter 08: the largest model a ZeRO stage fits on a GPU.
+
+The learner writes ``max_params(gpu_bytes, world_size, stage)``: the largest number of
+parameters whose model states (mixed-precision Adam, 16 bytes per parameter, sharded
+according to the ZeRO stage) fit in ``gpu_bytes`` on each of ``world_size`` GPUs.
+Activations and buffers are left out, as in the chapter.
+"""
+
+from __future__ import annotations
+
+from .sharding import MIXED_ADAM, zero_bytes
+
+# (GPU memory in bytes, number of GPUs, ZeRO stage)
+CASES = [
+    (80e9, 1, 0), (80e9, 8, 0), (80e9, 8, 1), (80e9, 8, 2), (80e9, 8, 3),
+    (24e9, 4, 1), (24e9, 4, 2), (24e9, 4, 3), (40e9, 64, 1), (16e9, 2, 3),
+]
+STAGE_NAMES = {0: "stage 0 (plain DDP)", 1: "stage 1", 2: "stage 2", 3: "stage 3 (FSDP)"}
+
+
+def _per_rank(num_params: int, world_size: int, stage: int) -> float:
+    return sum(zero_bytes(num_params, world_size, stage, MIXED_ADAM).values())
+
+
+def _fits_exactly(answer, gpu_bytes: float, world_size: int, stage: int) -> bool:
+    """``answer`` parameters fit, and one more would not (so no rounding puzzles)."""
+    return (_per_rank(answer, world_size, stage) <= gpu_bytes
+            and _per_rank(answer + 1, world_size, stage) > gpu_bytes)
+
+
+def check_max_params(max_params) -> bool:
+    """Run the learner's function on every case; print what is wrong, or that it is correct."""
+    problems = []
+    for gpu_bytes, world_size, stage in CASES:
+        try:
+            answer = max_params(gpu_bytes, world_size, stage)
+        except Exception as exc:  # the learner's code: report, do not crash the notebook
+            problems.append(f"max_params({gpu_bytes:.0e}, {world_size}, {stage}) raised {exc!r}")
+            continue
+        if answer is None:
+            print("Not yet: my_max_params returns None. Replace `pass` with your formula.")
+            return False
+        if not isinstance(answer, int) or isinstance(answer, bool):
+            problems.append(f"max_params({gpu_bytes:.0e}, {world_size}, {stage}) returned {answer!r}: "
+                            "a number of parameters is a whole number (use int(...) or //)")
+            continue
+        if not _fits_exactly(answer, gpu_bytes, world_size, stage):
+            too_many = _per_rank(answer, world_size, stage) > gpu_bytes
+            verdict = "are too many: they do not fit" if too_many else "are too few: more would fit"
+            problems.append(
+                f"{world_size} GPU(s) of {gpu_bytes / 1e9:g} GB, ZeRO {STAGE_NAMES[stage]}: {answer:,d} parameters "
+                f"{verdict} (which of the 2 + 2 + 12 bytes are divided by the number of GPUs at this stage?)"
+            )
+    if problems:
+        print("Not yet:\n  " + "\n  ".join(problems[:4]) + ("\n  ..." if len(problems) > 4 else ""))
+        return False
+    print(f"Correct: all {len(CASES)} cases fit exactly (and one more parameter would not).")
+    return True

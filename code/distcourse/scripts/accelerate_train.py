@@ -1,0 +1,55 @@
+"""The chapter 08 task with Hugging Face Accelerate.
+
+    torchrun --standalone --nproc-per-node=2 -m distcourse.scripts.accelerate_train --data data.pt --out result.json
+
+The training loop stays a plain PyTorch loop: ``accelerator.prepare`` wraps the model
+(in DDP when there are several processes) and shards the DataLoader, and
+``accelerator.backward`` replaces ``loss.backward``. ``Accelerator`` reads rank and world
+size from the environment the launcher sets, so torchrun works as well as
+``accelerate launch`` (which, for several GPUs, calls torchrun's code itself).
+"""
+
+import distcourse  # noqa: F401
+import torch
+from accelerate import Accelerator
+from accelerate import __version__ as accelerate_version
+from torch import nn
+from torch.utils.data import DataLoader
+
+from distcourse import libraries
+
+
+def main():
+    args = libraries.script_arguments()
+    accelerator = Accelerator(cpu=torch.cuda.device_count() < libraries.WORLD_SIZE)
+    ready = libraries.seconds_since_start()
+    model = libraries.make_model()
+    optimizer = libraries.make_optimizer(model.parameters())
+    # A plain sequential loader over *all* the data: prepare() gives each process every
+    # num_processes-th batch (process 0: batches 0, 2, 4...; process 1: batches 1, 3, 5...).
+    loader = DataLoader(libraries.load_task(args.data), batch_size=libraries.BATCH, shuffle=False)
+    wrapped, optimizer, loader = accelerator.prepare(model, optimizer, loader)
+    losses, first = [], None
+    for x, y, index in loader:  # batches arrive on accelerator.device
+        first = index.tolist() if first is None else first
+        loss = nn.functional.cross_entropy(wrapped(x), y)
+        optimizer.zero_grad()
+        accelerator.backward(loss)
+        optimizer.step()
+        losses.append(accelerator.reduce(loss.detach(), reduction="mean").item())  # the global batch's loss
+    rank, world_size, backend = accelerator.process_index, accelerator.num_processes, torch.distributed.get_backend()
+    ranks = libraries.rank_facts(first)
+    libraries.say(rank, f"world size {world_size}, backend {backend}, {accelerator.distributed_type}, "
+                        f"model wrapped in {type(wrapped).__name__}, {len(losses)} steps, final loss {losses[-1]:.6f}")
+    libraries.say(rank, f"process start to Accelerator {ready:.1f} s, "
+                        f"training {libraries.seconds_since_start() - ready:.1f} s")
+    if accelerator.is_main_process:
+        result = libraries.record("accelerate", losses, accelerator.unwrap_model(wrapped), ranks)
+        result.update(version=accelerate_version, wrapper=type(wrapped).__name__,
+                      distributed_type=str(accelerator.distributed_type))
+        libraries.save_result(args.out, result)
+    accelerator.end_training()  # destroys the process group
+
+
+if __name__ == "__main__":
+    main()

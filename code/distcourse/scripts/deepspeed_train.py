@@ -1,0 +1,93 @@
+"""The chapter 08 task with DeepSpeed, ZeRO stage 2 by default (``--zero-stage``).
+
+    torchrun --standalone --nproc-per-node=2 -m distcourse.scripts.deepspeed_train --data data.pt --out result.json
+    deepspeed --num_gpus 2 --module distcourse.scripts.deepspeed_train ...          (DeepSpeed's own launcher)
+
+``deepspeed.init_distributed`` replaces ``torch.distributed.init_process_group``, and
+``deepspeed.initialize`` turns model and config into an *engine* that owns the optimizer,
+the gradient averaging and the ZeRO sharding: the loop calls ``engine(x)``,
+``engine.backward(loss)`` and ``engine.step()``.
+"""
+
+import distcourse  # noqa: F401
+import deepspeed
+import torch
+from deepspeed.accelerator import get_accelerator
+from torch import nn
+from torch.utils.data import DataLoader, DistributedSampler
+
+from distcourse import libraries
+
+
+def config(stage: int) -> dict:
+    return {
+        "train_micro_batch_size_per_gpu": libraries.BATCH,  # per rank, per step
+        "gradient_accumulation_steps": 1,
+        # torch_adam: PyTorch's own Adam, not DeepSpeed's fused kernel (which it would have
+        # to compile first). DeepSpeed's "Adam" means AdamW unless told otherwise; with
+        # weight_decay 0 both are plain Adam, the chapter's optimizer.
+        "optimizer": {"type": "Adam", "params": {"lr": libraries.LR, "torch_adam": True, "weight_decay": 0.0}},
+        "zero_optimization": {"stage": stage},
+        "steps_per_print": 10**9,  # no progress lines
+    }
+
+
+def skip_cpu_kernel_build():
+    """Stop DeepSpeed's CPU backend from compiling its shared-memory all-reduce (a minute of g++).
+
+    DeepSpeed builds that C++ extension the first time it starts on a CPU; gloo does the
+    job for a model this small. The dict is DeepSpeed's record of which ops can be built.
+    """
+    import deepspeed.ops
+
+    deepspeed.ops.__compatible_ops__["deepspeed_shm_comm"] = False
+
+
+def full_weights(engine, stage: int) -> dict:
+    """The whole model's weights, also under ZeRO-3, where every rank holds only a slice."""
+    params = list(engine.module.parameters())
+    with deepspeed.zero.GatheredParameters(params, enabled=stage == 3):  # all-gathers, then re-shards
+        return {k: v.detach().cpu().clone() for k, v in engine.module.state_dict().items()}
+
+
+def main():
+    args = libraries.script_arguments()
+    on_gpus = torch.cuda.device_count() >= libraries.WORLD_SIZE
+    if not on_gpus:
+        skip_cpu_kernel_build()
+    deepspeed.init_distributed(dist_backend="nccl" if on_gpus else "gloo")
+    ready = libraries.seconds_since_start()
+    model = libraries.make_model()
+    engine, optimizer, _, _ = deepspeed.initialize(model=model, model_parameters=model.parameters(),
+                                                   config=config(args.zero_stage))
+    dataset = libraries.load_task(args.data)
+    loader = DataLoader(dataset, batch_size=libraries.BATCH, sampler=DistributedSampler(dataset, shuffle=False))
+    rank, world_size = torch.distributed.get_rank(), torch.distributed.get_world_size()
+    losses, first = [], None
+    for x, y, index in loader:
+        first = index.tolist() if first is None else first
+        loss = nn.functional.cross_entropy(engine(x.to(engine.device)), y.to(engine.device))
+        engine.backward(loss)  # averages the gradients over the ranks (reduce-scatter from stage 2 on)
+        engine.step()  # optimizer step on this rank's partition, then zeroes the gradients
+        mean = loss.detach().clone()
+        torch.distributed.all_reduce(mean)
+        losses.append(mean.item() / world_size)  # the global batch's loss
+    ranks = libraries.rank_facts(first)
+    weights = full_weights(engine, args.zero_stage)
+    backend = torch.distributed.get_backend()
+    libraries.say(rank, f"world size {world_size}, backend {backend}, ZeRO stage {engine.zero_optimization_stage()}, "
+                        f"optimizer {type(optimizer).__name__}, {len(losses)} steps, final loss {losses[-1]:.6f}")
+    libraries.say(rank, f"process start to process group {ready:.1f} s, "
+                        f"engine and training {libraries.seconds_since_start() - ready:.1f} s")
+    if rank == 0:
+        result = libraries.record("deepspeed", losses, model, ranks)
+        inner = type(optimizer.optimizer)  # the torch optimizer that ZeRO's wrapper steps on its partition
+        result.update(weights=weights, version=deepspeed.__version__, zero_stage=engine.zero_optimization_stage(),
+                      wrapper=type(engine).__name__, optimizer=type(optimizer).__name__,
+                      inner_optimizer=f"{inner.__module__}.{inner.__name__}", accelerator=get_accelerator()._name)
+        libraries.save_result(args.out, result)
+    torch.distributed.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()

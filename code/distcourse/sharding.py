@@ -1,0 +1,257 @@
+"""Sharded training of chapter 08: who holds which bytes under DDP, ZeRO-1 and FSDP2.
+
+Three parts, each readable on its own:
+
+1. the arithmetic: ``zero_bytes`` (the ZeRO stage formulas) and ``placement`` (what stays
+   on the GPU and what moves to CPU memory when states are offloaded);
+2. measuring: ``measure_memory`` wraps the same model three ways on every rank (DDP,
+   DDP + ``ZeroRedundancyOptimizer``, FSDP2 ``fully_shard``), takes one Adam step and
+   counts the bytes each rank really holds: the local shards, not a formula;
+3. correctness: ``fsdp_train`` trains with FSDP2 and gathers the full weights, to be
+   compared with ``reference_train``, the same training in one process.
+
+Rank functions live here, not in the notebook, because rank processes import them by name.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from .hardware import rank_device
+
+# Bytes per parameter for Adam. Mixed precision (ZeRO paper): 16-bit weights and gradients
+# for the forward and backward pass, and in the optimizer an fp32 master copy of the weights
+# plus Adam's two moments (4 + 4 + 4). Plain fp32: the weights are their own master copy.
+MIXED_ADAM = {"params": 2, "grads": 2, "optimizer": 12}
+FP32_ADAM = {"params": 4, "grads": 4, "optimizer": 8}
+PARTS = ("params", "grads", "optimizer")
+
+# --------------------------------------------------------------------------------------
+# 1. Arithmetic
+# --------------------------------------------------------------------------------------
+
+
+def zero_bytes(num_params: int, world_size: int, stage: int, bytes_per_param: dict = MIXED_ADAM) -> dict:
+    """Bytes of model states one rank holds under ZeRO ``stage`` (0 = plain DDP).
+
+    Stage 1 shards the optimizer state over the ranks, stage 2 also the gradients,
+    stage 3 (FSDP) also the parameters; what is not sharded is a full copy per rank.
+    """
+    if stage not in (0, 1, 2, 3):
+        raise ValueError(f"ZeRO stage must be 0, 1, 2 or 3, got {stage!r}")
+    sharded_from = {"optimizer": 1, "grads": 2, "params": 3}  # the first stage that shards each part
+    out = {}
+    for part in PARTS:
+        total = num_params * bytes_per_param[part]
+        out[part] = total / world_size if stage >= sharded_from[part] else total
+    return out
+
+
+def placement(num_params: int, world_size: int, stage: int, *, offload_optimizer: bool = False,
+              offload_params: bool = False, bytes_per_param: dict = MIXED_ADAM) -> dict:
+    """Persistent model-state bytes per GPU, and per machine in CPU memory, with offloading.
+
+    offload_optimizer (DeepSpeed ZeRO-Offload): the optimizer states live in CPU memory and
+        the optimizer step runs there, so the gradients it consumes go there too.
+    offload_params (ZeRO-Infinity, FSDP2's ``CPUOffloadPolicy``; needs stage 3): the
+        parameter shards live in CPU memory too; a layer's weights visit the GPU only while
+        it computes, which this count of *persistent* bytes leaves out.
+    ``world_size`` GPUs on one machine. Activations, buffers and fragmentation come on top.
+    """
+    if offload_params and stage != 3:
+        raise ValueError("offloading parameters needs them sharded: ZeRO stage 3")
+    per_rank = zero_bytes(num_params, world_size, stage, bytes_per_param)
+    on_cpu = set()
+    if offload_optimizer:
+        on_cpu |= {"optimizer", "grads"}
+    if offload_params:
+        on_cpu |= {"params"}
+    gpu = sum(v for part, v in per_rank.items() if part not in on_cpu)
+    cpu = sum(v for part, v in per_rank.items() if part in on_cpu) * world_size  # all ranks share the host
+    return {"gpu": gpu, "cpu": cpu}
+
+
+# --------------------------------------------------------------------------------------
+# 2. Measuring what each rank holds
+# --------------------------------------------------------------------------------------
+
+
+def make_model(hidden: int = 256) -> nn.Module:
+    """An MLP for 8x8 digit images; every weight's first dimension is even, so 2 ranks split it exactly."""
+    torch.manual_seed(0)  # the same initial weights in every rank and in the reference
+    return nn.Sequential(nn.Linear(64, hidden), nn.ReLU(), nn.Linear(hidden, hidden), nn.ReLU(),
+                         nn.Linear(hidden, 10))
+
+
+def _local(t: torch.Tensor) -> torch.Tensor:
+    """The part of a tensor this rank stores: a DTensor's local shard, else the tensor itself."""
+    return t.to_local() if hasattr(t, "to_local") else t
+
+
+def local_bytes(tensors) -> int:
+    """Bytes of the elements this rank holds (its shard of a sharded tensor)."""
+    return sum(_local(t).numel() * _local(t).element_size() for t in tensors)
+
+
+def storage_bytes(tensors) -> int:
+    """Bytes of the memory blocks behind those elements, each block counted once.
+
+    Differs from ``local_bytes`` where FSDP pads a shard so that every rank's block has
+    the same size, or keeps several gradients in one block.
+    """
+    blocks = {}
+    for t in tensors:
+        storage = _local(t).untyped_storage()
+        blocks[storage.data_ptr()] = storage.nbytes()
+    return sum(blocks.values())
+
+
+def memory_report(model: nn.Module, optimizer) -> dict:
+    """What this rank holds right after ``optimizer.step()``, by part, in bytes."""
+    params = list(model.parameters())
+    grads = [p.grad for p in params if p.grad is not None]
+    state = optimizer.optim.state if hasattr(optimizer, "optim") else optimizer.state  # ZeroRedundancyOptimizer
+    moments = [s[k] for s in state.values() for k in ("exp_avg", "exp_avg_sq")]
+    steps = [s["step"] for s in state.values()]  # one scalar step counter per parameter tensor
+    return {
+        "params": local_bytes(params), "grads": local_bytes(grads), "optimizer": local_bytes(moments),
+        "step_counters": local_bytes(steps),
+        "params_storage": storage_bytes(params), "grads_storage": storage_bytes(grads),
+        "numel": {name: _local(p).numel() for name, p in model.named_parameters()},
+    }
+
+
+def shard_model(model: nn.Module) -> nn.Module:
+    """FSDP2: shard every Linear as its own unit, then the root (which owns what is left).
+
+    Per-layer units are what keeps memory low during the forward pass: only the layer
+    that is computing is gathered whole, then its full weights are freed again.
+    """
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    mesh = init_device_mesh(rank_device().type, (dist.get_world_size(),))
+    for layer in model:
+        if isinstance(layer, nn.Linear):
+            fully_shard(layer, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    return model
+
+
+def _batch(rank: int, world_size: int, step: int = 0, batch_size: int = 32):
+    """This rank's part of global batch ``step``: a fixed random tensor shared by all runs."""
+    generator = torch.Generator().manual_seed(1000 + step)
+    x = torch.randn(batch_size * world_size, 64, generator=generator)
+    y = torch.randint(0, 10, (batch_size * world_size,), generator=generator)
+    part = slice(rank * batch_size, (rank + 1) * batch_size)
+    return x[part], y[part]
+
+
+def _one_step(model, optimizer, device) -> None:
+    x, y = _batch(dist.get_rank(), dist.get_world_size())
+    nn.functional.cross_entropy(model(x.to(device)), y.to(device)).backward()
+    optimizer.step()  # no zero_grad: the gradients should still be there to be counted
+
+
+def measure_memory(strategies=("ddp", "zero1", "fsdp")) -> dict:
+    """Rank function: for each strategy, one Adam step on a fresh model, then count bytes."""
+    from torch.distributed.optim import ZeroRedundancyOptimizer
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    device = rank_device()
+    ids = [device.index] if device.type == "cuda" else None
+    report = {}
+    for strategy in strategies:
+        model = make_model().to(device)
+        if strategy == "ddp":
+            wrapped = DDP(model, device_ids=ids)
+            optimizer = torch.optim.Adam(wrapped.parameters(), lr=1e-3)
+        elif strategy == "zero1":  # DDP for the gradients, optimizer state sharded: ZeRO stage 1
+            wrapped = DDP(model, device_ids=ids)
+            optimizer = ZeroRedundancyOptimizer(wrapped.parameters(), optimizer_class=torch.optim.Adam, lr=1e-3)
+        elif strategy == "fsdp":
+            wrapped = shard_model(model)
+            optimizer = torch.optim.Adam(wrapped.parameters(), lr=1e-3)
+        else:
+            raise ValueError(f"unknown strategy {strategy!r}")
+        _one_step(wrapped, optimizer, device)
+        report[strategy] = memory_report(model, optimizer)
+        r = report[strategy]
+        print(f"{strategy:5s}: params {r['params']:7,d} B  grads {r['grads']:7,d} B  optimizer {r['optimizer']:7,d} B")
+    return report
+
+
+def watch_unsharding() -> list:
+    """Rank function: the first layer's weight before, while and after the layer computes."""
+    model = shard_model(make_model().to(rank_device()))
+
+    def look(when):
+        weight = model[0].weight
+        return when, type(weight).__name__, tuple(_local(weight).shape)
+
+    seen = [look("before forward")]
+    # A pre-hook registered after fully_shard runs after FSDP's own pre-hook, which all-gathers.
+    model[0].register_forward_pre_hook(lambda module, inputs: seen.append(look("while computing")))
+    x, _ = _batch(dist.get_rank(), dist.get_world_size())
+    model(x.to(rank_device()))
+    seen.append(look("after forward"))
+    return seen
+
+
+# --------------------------------------------------------------------------------------
+# 3. Sharded training equals unsharded training
+# --------------------------------------------------------------------------------------
+
+
+def fsdp_train(steps: int = 3, lr: float = 1e-3) -> dict:
+    """Rank function: ``steps`` Adam steps with FSDP2; returns the full weights (gathered)."""
+    device = rank_device()
+    model = shard_model(make_model().to(device))
+    optimizer = torch.optim.Adam(model.parameters(), lr=lr)
+    losses = []
+    for step in range(steps):
+        x, y = _batch(dist.get_rank(), dist.get_world_size(), step)
+        loss = nn.functional.cross_entropy(model(x.to(device)), y.to(device))
+        loss.backward()  # reduce-scatter: each rank receives the averaged gradient of its shard
+        optimizer.step()  # Adam updates the local shard only
+        optimizer.zero_grad()
+        losses.append(loss.item())
+    # full_tensor() all-gathers the shards: a collective, so every rank calls it.
+    full = {name: p.full_tensor().detach().cpu() for name, p in model.named_parameters()}
+    return {"losses": losses, "weights": full}
+
+
+def reference_train(world_size: int = 2, steps: int = 3, lr: float = 1e-3) -> dict:
+    """The same training in this process: the same initial weights, each step the whole global batch."""
+    model = make_model()
+    optimizer = torch.optim.Adam(model.parameters(), lr=lr)
+    for step in range(steps):
+        parts = [_batch(r, world_size, step) for r in range(world_size)]
+        x, y = torch.cat([p[0] for p in parts]), torch.cat([p[1] for p in parts])
+        nn.functional.cross_entropy(model(x), y).backward()
+        optimizer.step()
+        optimizer.zero_grad()
+    return {name: p.detach().clone() for name, p in model.named_parameters()}
+
+
+def padded_numel(shape, world_size: int) -> int:
+    """Elements of one rank's FSDP2 block for a tensor of ``shape``: dim 0 rounded up to a multiple of N."""
+    rows = math.ceil(shape[0] / world_size)
+    return rows * math.prod(shape[1:])
+
+
+def ring_traffic(num_params: int, world_size: int, stage: int) -> float:
+    """Elements each rank sends per training step with ring collectives (chapter 03's cost).
+
+    A ring reduce-scatter or all-gather of the whole model sends (N-1)/N of it per rank;
+    an all-reduce is one of each. DDP all-reduces the gradients. Stages 1 and 2 split that
+    all-reduce into its halves: reduce-scatter the gradients, all-gather the updated
+    weights. Stage 3 all-gathers the weights twice (forward and backward), because it
+    freed them in between, and reduce-scatters the gradients: three halves instead of two.
+    """
+    half = (world_size - 1) / world_size * num_params
+    return 3 * half if stage == 3 else 2 * half
