@@ -1,0 +1,85 @@
+"""Self-checks for the exercises of chapter 07: global ranks, and a torchrun command line.
+
+Both run in the notebook's own process and start nothing: the command line is parsed
+with torchrun's own argument parser, exactly as ``torchrun`` would read it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import io
+import shlex
+
+# (node_rank, local_rank, nproc_per_node) -> global rank, as torchrun numbers workers
+# when every node runs the same number of them.
+_RANK_CASES = [(0, 0, 1), (1, 0, 1), (0, 3, 4), (1, 0, 4), (1, 3, 4), (2, 1, 4), (3, 7, 8), (5, 2, 3)]
+
+
+def check_global_rank(global_rank) -> bool:
+    """Exercise: ``global_rank(node_rank, local_rank, nproc_per_node)``."""
+    problems = []
+    for node, local, nproc in _RANK_CASES:
+        expected = node * nproc + local
+        try:
+            got = global_rank(node, local, nproc)
+        except Exception as exc:
+            problems.append(f"global_rank({node}, {local}, {nproc}) raised {exc!r}")
+            continue
+        if got != expected:
+            problems.append(f"global_rank({node}, {local}, {nproc}) returned {got!r}")
+    if not problems:  # every worker of a 3-node x 4-process job gets its own rank 0..11
+        ranks = sorted(global_rank(n, l, 4) for n in range(3) for l in range(4))
+        if ranks != list(range(12)):
+            problems.append(f"3 nodes x 4 processes give ranks {ranks}, not 0..11 once each")
+    if problems:
+        print("Not yet:\n  - " + "\n  - ".join(problems[:4]))
+        return False
+    print("Correct: node rank times processes per node, plus the local rank.")
+    return True
+
+
+# The cluster of the command-line exercise.
+LAYOUT = {"nodes": 4, "gpus_per_node": 8, "head_node": "gpu-node-01", "port": 29500, "job_id": "777"}
+
+
+def check_torchrun_command(command: str) -> bool:
+    """Exercise: the torchrun command to run on every node of LAYOUT, for ``-m distcourse.train``."""
+    from torch.distributed.run import get_args_parser
+
+    problems = []
+    words = shlex.split(command or "")
+    if not words:
+        print("Not yet:\n  - my_command is empty: write the torchrun command line there")
+        return False
+    if words[:3] == ["python", "-m", "torch.distributed.run"]:
+        words = ["torchrun"] + words[3:]
+    if not words or words[0] != "torchrun":
+        print("Not yet:\n  - the command should start with torchrun")
+        return False
+    message = io.StringIO()
+    try:
+        with contextlib.redirect_stderr(message):  # argparse reports errors there, then exits
+            args = get_args_parser().parse_args(words[1:])
+    except SystemExit:
+        error = (message.getvalue().strip().splitlines() or ["?"])[-1]
+        print(f"Not yet:\n  - torchrun cannot parse these arguments: {error}")
+        return False
+    want = {
+        "--nnodes": (args.nnodes, str(LAYOUT["nodes"])),
+        "--nproc-per-node": (args.nproc_per_node, str(LAYOUT["gpus_per_node"])),
+        "--rdzv-backend": (args.rdzv_backend, "c10d"),
+        "--rdzv-endpoint": (args.rdzv_endpoint, f"{LAYOUT['head_node']}:{LAYOUT['port']}"),
+        "--rdzv-id": (args.rdzv_id, LAYOUT["job_id"]),
+    }
+    for flag, (got, expected) in want.items():
+        if got != expected:
+            problems.append(f"{flag} is {got!r}, expected {expected!r}")
+    if args.standalone:
+        problems.append("--standalone runs a single-node job: it ignores the rendezvous you need here")
+    if not (args.module and args.training_script == "distcourse.train"):
+        problems.append("run the module with -m distcourse.train (after the torchrun options)")
+    if problems:
+        print("Not yet:\n  - " + "\n  - ".join(problems))
+        return False
+    print("Correct: the same command on all 4 nodes; the rendezvous assigns node ranks.")
+    return True

@@ -1,0 +1,334 @@
+"""Running torchrun from a notebook cell (chapter 07), without leaving processes behind.
+
+    result = run(torchrun("--standalone", "--nproc-per-node=2", script_args=["--steps", "20"]))
+    result.ranks[0]          # lines rank 0 printed, "[rank 0] " removed
+    result.json(0, "result") # the JSON that rank 0 printed after "result "
+
+Each agent starts in its own session (``start_new_session=True``), so it and everything in
+its process group can be signalled at once. torchrun starts every *worker* in a session
+of its own, though, so a group signal alone would orphan them: teardown first finds the
+agent's descendants, then signals every one of them. Output goes to temporary files
+rather than pipes, so a chatty process can never block on a full pipe while we wait
+for another one.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import pathlib
+import re
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass, field
+
+PACKAGE_PARENT = str(pathlib.Path(__file__).resolve().parents[1])  # the folder holding distcourse/
+RANK_LINE = re.compile(r"^\[rank (\d+)\] (.*)$")
+
+
+class TorchrunError(RuntimeError):
+    """A torchrun process failed; ``results`` holds what every process printed."""
+
+    def __init__(self, message: str, results: list["Result"]):
+        super().__init__(message)
+        self.results = results
+
+
+class TorchrunTimeout(TorchrunError, TimeoutError):
+    """Still running at the deadline: every process was stopped."""
+
+
+def free_port() -> int:
+    """A TCP port on 127.0.0.1 that was free a moment ago (the OS picks it when we bind port 0).
+
+    Another program could take it before torchrun binds it; on a single machine that is
+    rare enough, and the error would say "address already in use".
+    """
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def torchrun(*launcher_args: str, module: str = "distcourse.train", script_args=()) -> list[str]:
+    """The command line ``torchrun <launcher_args> -m <module> <script_args>``.
+
+    ``python -m torch.distributed.run`` is what the ``torchrun`` command runs; spelling it
+    this way uses the notebook's own Python, whatever is on the PATH.
+    """
+    return [sys.executable, "-m", "torch.distributed.run", *launcher_args, "-m", module, *map(str, script_args)]
+
+
+def child_env(threads: int = 1, **extra: str) -> dict[str, str]:
+    """The environment for launched processes: one intra-op thread each, and distcourse importable."""
+    env = dict(os.environ)
+    path = [PACKAGE_PARENT] + [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p]
+    env.update(PYTHONPATH=os.pathsep.join(path), OMP_NUM_THREADS=str(threads), PYTHONUNBUFFERED="1")
+    env.update(extra)
+    return env
+
+
+@dataclass
+class Result:
+    """What one launched process did: its command, exit code and output."""
+
+    command: list[str]
+    pid: int  # also the id of its process group and session
+    returncode: int | None
+    stdout: str
+    stderr: str
+    seconds: float
+    ranks: dict[int, list[str]] = field(default_factory=dict)
+
+    def __post_init__(self):
+        self.ranks = per_rank(self.stdout)
+
+    def json(self, rank: int, tag: str):
+        """The JSON value that ``rank`` printed after ``tag`` (the last one, if several)."""
+        found = self.all_json(rank, tag)
+        if not found:
+            raise KeyError(f"rank {rank} printed no '{tag} ...' line")
+        return found[-1]
+
+    def all_json(self, rank: int, tag: str) -> list:
+        """Every JSON value that ``rank`` printed after ``tag``, in order (e.g. one per restart)."""
+        lines = self.ranks.get(rank, [])
+        return [json.loads(line[len(tag) + 1 :]) for line in lines if line.startswith(tag + " ")]
+
+    def show(self, stderr_lines: int = 0, label: str = "", hide=("worker",)) -> None:
+        """Print the ranks' lines but those tagged ``hide``; optionally the end of stderr (torchrun's log)."""
+        for line in self.stdout.splitlines():
+            m = RANK_LINE.match(line)
+            if not (m and m.group(2).split(" ", 1)[0] in hide):
+                print(f"{label}{line}")
+        if stderr_lines:
+            for line in self.stderr.splitlines()[-stderr_lines:]:
+                print(f"{label}(stderr) {line}")
+
+
+def find_json(results: list[Result], rank: int, tag: str):
+    """The JSON value after ``tag`` from ``rank``, whichever of several agents printed it."""
+    for result in results:
+        if result.all_json(rank, tag):
+            return result.json(rank, tag)
+    raise KeyError(f"no agent shows a '{tag} ...' line of rank {rank}")
+
+
+def per_rank(text: str) -> dict[int, list[str]]:
+    """Lines of the form ``[rank R] message``, grouped by rank, in the order printed."""
+    ranks: dict[int, list[str]] = {}
+    for line in text.splitlines():
+        m = RANK_LINE.match(line)
+        if m:
+            ranks.setdefault(int(m.group(1)), []).append(m.group(2))
+    return dict(sorted(ranks.items()))
+
+
+def run(command: list[str], timeout: float = 60.0, env=None, check: bool = True) -> Result:
+    """Run one command (e.g. a torchrun agent) to completion, or stop it at ``timeout``."""
+    return run_together([command], timeout=timeout, env=env, check=check)[0]
+
+
+def run_together(commands: list[list[str]], timeout: float = 60.0, env=None, check: bool = True,
+                 grace: float = 5.0) -> list[Result]:
+    """Start every command at once (e.g. one torchrun agent per "node") and wait for all.
+
+    env: one environment for all (default ``child_env()``), or a list with one per command.
+    On timeout, on an interrupted cell, or when one fails and ``check`` is set: every
+    process and all their descendants are stopped before this returns or raises; after
+    a failure the others first get ``grace`` seconds to end on their own.
+    """
+    envs = env if isinstance(env, list) else [child_env() if env is None else env] * len(commands)
+    started = time.monotonic()
+    procs, files = [], []
+    # torchrun leaves a log folder in the temporary directory after every run: give it ours.
+    with tempfile.TemporaryDirectory(prefix="torchrun-") as scratch:
+        try:
+            for cmd, cmd_env in zip(commands, envs):
+                out, err = tempfile.TemporaryFile(), tempfile.TemporaryFile()
+                files.append((out, err))
+                procs.append(subprocess.Popen(cmd, stdout=out, stderr=err, env={**cmd_env, "TMPDIR": scratch},
+                                              start_new_session=True))
+            timed_out = _wait_all(procs, started + timeout, stop_on_failure=check, grace=grace)
+        finally:
+            for p in procs:  # no-op for processes that have exited and have no descendants left
+                stop(p)
+    seconds = time.monotonic() - started
+    results = [
+        Result(cmd, p.pid, p.returncode, _read(out), _read(err), seconds)
+        for cmd, p, (out, err) in zip(commands, procs, files)
+    ]
+    if timed_out:
+        raise TorchrunTimeout(f"still running after {timeout:g} s: stopped every process", results)
+    failed = [i for i, r in enumerate(results) if r.returncode != 0]
+    if check and failed:
+        i = failed[0]
+        tail = "\n".join(results[i].stderr.splitlines()[-15:])
+        raise TorchrunError(f"process {i} exited with code {results[i].returncode}:\n{tail}", results)
+    return results
+
+
+def _wait_all(procs, deadline: float, stop_on_failure: bool, grace: float) -> bool:
+    """Wait until every process has exited; True if the deadline came first.
+
+    After a failure the others get ``grace`` seconds to notice and exit on their own
+    (a torchrun agent whose peer died ends its run), then they are stopped.
+    """
+    while any(p.poll() is None for p in procs):
+        if stop_on_failure and any(p.returncode not in (None, 0) for p in procs):
+            deadline = min(deadline, time.monotonic() + grace)
+        if time.monotonic() >= deadline:
+            return not (stop_on_failure and any(p.returncode not in (None, 0) for p in procs))
+        time.sleep(0.05)
+    return False
+
+
+def _read(f) -> str:
+    f.seek(0)
+    text = f.read().decode(errors="replace")
+    f.close()
+    return text
+
+
+# --------------------------------------------------------------------------------------
+# Teardown
+# --------------------------------------------------------------------------------------
+
+
+def descendants(pid: int) -> list:
+    """Every process started, directly or not, by ``pid`` (psutil.Process objects)."""
+    try:
+        import psutil
+    except ImportError:  # without psutil only the process group can be signalled
+        return []
+    try:
+        return psutil.Process(pid).children(recursive=True)
+    except psutil.NoSuchProcess:
+        return []
+
+
+def stop(proc: subprocess.Popen, grace: float = 2.0) -> None:
+    """SIGTERM the agent's group and every descendant, SIGKILL what is left after ``grace`` s.
+
+    SIGTERM first: a torchrun agent catches it and stops its workers itself. The
+    descendants are listed before anything is signalled, while the agent is still their
+    parent; once it is gone they would be orphans, invisible from here.
+    """
+    family = descendants(proc.pid)
+    if proc.poll() is not None and not family:
+        return
+    _signal(proc, family, signal.SIGTERM)
+    deadline = time.monotonic() + grace
+    while time.monotonic() < deadline and (proc.poll() is None or any(_alive(p) for p in family)):
+        time.sleep(0.05)
+    _signal(proc, family, signal.SIGKILL)
+    proc.wait()
+    deadline = time.monotonic() + 5  # SIGKILL cannot be ignored; this only waits for the kernel
+    while time.monotonic() < deadline and any(_alive(p) for p in family):
+        time.sleep(0.02)
+
+
+def _signal(proc, family, sig) -> None:
+    try:
+        os.killpg(proc.pid, sig)  # the agent's session: the agent and anything it did not detach
+    except (ProcessLookupError, PermissionError):
+        pass
+    for p in family:  # workers: torchrun gives each its own session
+        try:
+            p.send_signal(sig)  # psutil checks the PID still belongs to the same process
+        except Exception:
+            pass
+
+
+def _alive(p) -> bool:
+    try:
+        return p.is_running() and p.status() != "zombie"
+    except Exception:
+        return False
+
+
+def group_alive(pgid: int) -> bool:
+    """Whether any process of process group ``pgid`` still exists."""
+    try:
+        os.killpg(pgid, 0)
+        return True
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+
+
+# --------------------------------------------------------------------------------------
+# SLURM: what a batch script would run, without a cluster
+# --------------------------------------------------------------------------------------
+
+SLURM_SCRIPT = pathlib.Path(__file__).resolve().parent / "scripts" / "slurm_train.sbatch"
+
+
+def sbatch_options(script=SLURM_SCRIPT) -> dict[str, str]:
+    """The ``#SBATCH --name=value`` lines of a batch script, as {name: value}."""
+    options = {}
+    for line in pathlib.Path(script).read_text().splitlines():
+        m = re.match(r"#SBATCH\s+--([\w-]+)(?:=(\S+))?", line)
+        if m:
+            options[m.group(1)] = m.group(2) or ""
+    return options
+
+
+def slurm_dry_run(script=SLURM_SCRIPT, nodes=("node-a", "node-b"), job_id: str = "4242", timeout: float = 10) -> list[list[str]]:
+    """Run the batch script with stand-ins for ``scontrol`` and ``srun``; return srun's argument lists.
+
+    The stand-ins answer ``scontrol show hostnames`` with ``nodes`` and record every srun
+    call instead of starting anything, so the test sees the exact commands a cluster would get.
+    """
+    options = sbatch_options(script)
+    with tempfile.TemporaryDirectory() as tmp:
+        bin_dir, log = pathlib.Path(tmp, "bin"), pathlib.Path(tmp, "srun.jsonl")
+        bin_dir.mkdir()
+        _stub(bin_dir / "scontrol", 'if sys.argv[1:3] == ["show", "hostnames"]:\n'
+                                    '    print("\\n".join(os.environ["FAKE_NODES"].split(",")))')
+        _stub(bin_dir / "srun", 'with open(os.environ["FAKE_SRUN_LOG"], "a") as f:\n'
+                                '    f.write(json.dumps(sys.argv[1:]) + "\\n")')
+        env = {**os.environ, "PATH": f"{bin_dir}{os.pathsep}{os.environ.get('PATH', '')}",
+               "FAKE_NODES": ",".join(nodes), "FAKE_SRUN_LOG": str(log),
+               "SLURM_JOB_ID": job_id, "SLURM_JOB_NODELIST": ",".join(nodes), "SLURM_NNODES": str(len(nodes)),
+               "SLURM_CPUS_PER_TASK": options.get("cpus-per-task", "1"), "CKPT_DIR": str(pathlib.Path(tmp, "ckpt"))}
+        subprocess.run(["bash", str(script)], env=env, cwd=tmp, check=True, timeout=timeout,
+                       capture_output=True, text=True)
+        return [json.loads(line) for line in log.read_text().splitlines()] if log.exists() else []
+
+
+def _stub(path: pathlib.Path, body: str) -> None:
+    path.write_text(f"#!{sys.executable}\nimport json, os, sys\n{body}\n")
+    path.chmod(0o755)
+
+
+# --------------------------------------------------------------------------------------
+# What a launcher hands its workers, computed without starting anything
+# --------------------------------------------------------------------------------------
+
+
+def worker_command(launcher: str, launcher_args: list[str], local_rank: int = 0) -> list[str]:
+    """The argument list that ``launcher`` ("torchrun" or "torch.distributed.launch") gives a worker.
+
+    Uses the launchers' own parsing code (``config_from_args``), so what this returns is
+    what they would run, for the installed torch version.
+    """
+    from torch.distributed import launch, run as torchrun_module
+    from torch.distributed.elastic.utils import macros
+
+    parse = {"torchrun": torchrun_module.parse_args, "torch.distributed.launch": launch.parse_args}[launcher]
+    saved = os.environ.get("OMP_NUM_THREADS")
+    os.environ["OMP_NUM_THREADS"] = "1"  # config_from_args would set it (and print a banner) otherwise
+    try:
+        _, program, args = torchrun_module.config_from_args(parse(launcher_args))
+    finally:
+        if saved is None:
+            del os.environ["OMP_NUM_THREADS"]
+        else:
+            os.environ["OMP_NUM_THREADS"] = saved
+    program = os.path.basename(program) if isinstance(program, str) else program.__name__
+    return [program, *macros.substitute(list(args), str(local_rank))]

@@ -1,0 +1,302 @@
+"""Chapter 07: the training script, the torchrun helpers, the SLURM script, the self-checks.
+
+Fast tests first; the repeated elastic restarts at the end are marked slow.
+"""
+
+import ast
+import contextlib
+import io
+import json
+import pathlib
+import re
+import socket
+import subprocess
+import sys
+import time
+import uuid
+
+import psutil
+import pytest
+import torch
+
+from distcourse import checkpoints, checks07, train
+from distcourse import torchrun_tools as tt
+
+CODE = pathlib.Path(train.__file__).parent
+B, STEPS = 4, 8  # tiny runs: the tests check behaviour, not training
+
+
+def script_args(out, *extra):
+    return ["--steps", STEPS, "--batch-size", B, "--out", out, *extra]
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory):
+    """One process with the global batch 2B, run in this process: what every launch must reproduce."""
+    out = tmp_path_factory.mktemp("reference")
+    printed = io.StringIO()
+    with contextlib.redirect_stdout(printed):
+        train.main([str(a) for a in ["--steps", STEPS, "--batch-size", 2 * B, "--out", out]])
+    result = tt.Result(["train.main"], 0, 0, printed.getvalue(), "", 0.0).json(0, "result")
+    return result, checkpoints.load_checkpoint(out / "final.pt")
+
+
+def same_as(reference, result, out) -> None:
+    ref_result, ref_weights = reference
+    assert abs(result["loss"] - ref_result["loss"]) < 1e-6
+    weights = checkpoints.load_checkpoint(out / "final.pt")
+    assert max((weights[k] - ref_weights[k]).abs().max().item() for k in weights) < 1e-6
+
+
+# --- the script ---------------------------------------------------------------------------
+
+
+def test_ranks_slices_make_up_the_single_process_batch():
+    data = train.make_data(0)
+    for step in (0, 7):
+        whole_x, _ = train.batch_for(data, step, rank=0, world_size=1, batch_size=2 * B)
+        parts = [train.batch_for(data, step, rank=r, world_size=2, batch_size=B)[0] for r in (0, 1)]
+        assert torch.equal(torch.cat(parts), whole_x)
+
+
+def test_single_process_mode_needs_no_process_group(reference):
+    result, _ = reference
+    assert result["world_size"] == 1 and result["steps"] == STEPS
+    assert not torch.distributed.is_initialized()
+
+
+def test_source_rules():
+    tree = ast.parse((CODE / "train.py").read_text())
+    calls = [n for n in ast.walk(tree) if isinstance(n, ast.Call)]
+    inits = [c for c in calls if getattr(c.func, "attr", None) == "init_process_group"]
+    assert inits and all("timeout" in {k.arg for k in c.keywords} for c in inits)
+    loads = [c for c in calls if getattr(c.func, "attr", None) == "load" and ast.unparse(c.func) == "torch.load"]
+    assert all(any(k.arg == "weights_only" and ast.unparse(k.value) == "True" for k in c.keywords) for c in loads)
+    main = next(n for n in tree.body if isinstance(n, ast.FunctionDef) and n.name == "main")
+    finals = [t for t in ast.walk(main) if isinstance(t, ast.Try) and t.finalbody]
+    assert any("destroy_process_group" in ast.unparse(t.finalbody) for t in finals)
+
+
+def test_no_hard_coded_ports_outside_the_slurm_script():
+    # torchrun's conventional ports (29400, 29500) belong in the cluster script only; the
+    # code here always asks the OS for a free port on 127.0.0.1.
+    for name in ("train.py", "torchrun_tools.py"):
+        text = (CODE / name).read_text()
+        assert not re.search(r"\b29[45]00\b", text) and "0.0.0.0" not in text, name
+    assert "29500" in tt.SLURM_SCRIPT.read_text()
+
+
+def test_torchrun_and_single_process_agree(reference, tmp_path, no_leftovers):
+    run = tt.run(tt.torchrun("--standalone", "--nproc-per-node=2",
+                             script_args=script_args(tmp_path, "--print-env")), timeout=120)
+    result = run.json(0, "result")
+    assert result["world_size"] == 2
+    same_as(reference, result, tmp_path)
+    workers = {r: run.json(r, "worker") for r in run.ranks}
+    assert sorted(workers) == [0, 1]
+    for rank, w in workers.items():
+        env = w["env"]
+        assert (env["RANK"], env["LOCAL_RANK"], env["WORLD_SIZE"], env["LOCAL_WORLD_SIZE"]) == (str(rank), str(rank), "2", "2")
+        assert env["GROUP_RANK"] == "0" and env["TORCHELASTIC_RESTART_COUNT"] == "0"
+        assert not any(a.startswith("--local") for a in w["argv"])  # torchrun adds no --local-rank
+    assert [r for r in run.ranks if run.all_json(r, "result")] == [0]  # only the master reports
+
+
+def test_legacy_launcher_passes_local_rank_and_torchrun_does_not():
+    args = ["--standalone", "--nproc-per-node=2", "-m", "distcourse.train"]
+    assert tt.worker_command("torchrun", args, 1)[1:] == ["-u", "-m", "distcourse.train"]
+    assert tt.worker_command("torch.distributed.launch", args, 1)[-1] == "--local-rank=1"
+    assert tt.worker_command("torch.distributed.launch", ["--use-env"] + args, 1) == tt.worker_command("torchrun", args, 1)
+
+
+# --- helpers: ports, parsing, teardown ----------------------------------------------------
+
+
+def test_free_port_is_a_free_loopback_port():
+    port = tt.free_port()
+    assert 0 < port < 65536
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", port))
+
+
+def test_per_rank_parsing():
+    text = '[rank 1] worker {"pid": 2}\nnoise\n[rank 0] result {"loss": 1.5}\n[rank 0] result {"loss": 0.5}\n'
+    result = tt.Result(["x"], 1, 0, text, "", 0.0)
+    assert result.ranks == {0: ['result {"loss": 1.5}', 'result {"loss": 0.5}'], 1: ['worker {"pid": 2}']}
+    assert result.json(0, "result") == {"loss": 0.5} and len(result.all_json(0, "result")) == 2
+    assert tt.find_json([tt.Result(["y"], 2, 0, "", "", 0.0), result], 1, "worker") == {"pid": 2}
+    with pytest.raises(KeyError):
+        result.json(1, "result")
+
+
+def _gone(pid: int) -> bool:
+    try:
+        return psutil.Process(pid).status() == psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return True
+
+
+def test_timeout_stops_agent_and_workers(tmp_path, no_leftovers):
+    # The last rank hangs; the other waits in a collective: only the timeout can end this.
+    cmd = tt.torchrun("--standalone", "--nproc-per-node=2", script_args=script_args(tmp_path, "--print-env", "--hang-at", 2))
+    started = time.monotonic()
+    with pytest.raises(tt.TorchrunTimeout) as info:
+        tt.run(cmd, timeout=8)
+    assert time.monotonic() - started < 8 + 10  # the teardown itself is quick
+    agent = info.value.results[0]
+    pids = [agent.json(r, "worker")["pid"] for r in agent.ranks]
+    assert len(pids) == 2  # the workers were running when the timeout came...
+    assert all(_gone(pid) for pid in pids)  # ...and are gone now, though torchrun gave them their own sessions
+    assert not tt.group_alive(agent.pid)
+
+
+def test_failure_of_one_agent_stops_the_other(no_leftovers):
+    fails = [sys.executable, "-c", "import sys; print('[rank 0] bye'); sys.exit(3)"]
+    sleeps = [sys.executable, "-c", "import time; time.sleep(60)"]
+    started = time.monotonic()
+    with pytest.raises(tt.TorchrunError) as info:
+        tt.run_together([fails, sleeps], timeout=60, grace=0.5)
+    assert time.monotonic() - started < 15
+    first, second = info.value.results
+    assert first.returncode == 3 and first.ranks == {0: ["bye"]}
+    assert second.returncode is not None and second.returncode < 0  # stopped by a signal
+    assert not tt.group_alive(second.pid)
+
+
+def test_interrupted_wait_stops_everything(monkeypatch, no_leftovers):
+    def interrupted(*args, **kwargs):
+        time.sleep(0.3)
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(tt, "_wait_all", interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        tt.run([sys.executable, "-c", "import time; time.sleep(60)"], timeout=60)
+
+
+def test_child_env_makes_distcourse_importable_anywhere(tmp_path):
+    env = tt.child_env()
+    assert env["OMP_NUM_THREADS"] == "1"
+    out = subprocess.run([sys.executable, "-c", "import distcourse.train, os; print(os.environ['OMP_NUM_THREADS'])"],
+                         env=env, cwd=tmp_path, capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "1"
+
+
+# --- SLURM ----------------------------------------------------------------------------
+
+
+def test_slurm_script_is_valid_bash():
+    subprocess.run(["bash", "-n", str(tt.SLURM_SCRIPT)], check=True)
+
+
+def test_slurm_script_runs_torchrun_once_per_node_with_c10d_rendezvous():
+    options = tt.sbatch_options()
+    assert options["nodes"] == "2" and options["ntasks-per-node"] == "1" and "gpus-per-node" in options
+    calls = tt.slurm_dry_run(nodes=("gpu17", "gpu18"), job_id="991")
+    assert len(calls) == 1
+    words = calls[0]
+    assert words[0] == "torchrun"
+    flags = dict(w.split("=", 1) for w in words if w.startswith("--") and "=" in w)
+    assert flags["--nnodes"] == "2"  # from $SLURM_NNODES
+    assert flags["--nproc-per-node"] == options["gpus-per-node"]
+    assert flags["--rdzv-backend"] == "c10d"
+    assert flags["--rdzv-endpoint"] == "gpu17:29500"  # the first node of the allocation
+    assert flags["--rdzv-id"] == "991"
+    assert words[words.index("-m") + 1] == "distcourse.train"
+    assert words.index("-m") > max(i for i, w in enumerate(words) if w.startswith("--rdzv"))  # launcher flags first
+    # torchrun's own parser accepts the command as it stands
+    from torch.distributed.run import get_args_parser
+
+    args = get_args_parser().parse_args(words[1:])
+    assert args.module and args.training_script == "distcourse.train" and args.max_restarts >= 1
+
+
+def test_slurm_script_follows_the_head_node():
+    calls = tt.slurm_dry_run(nodes=("alpha", "beta", "gamma"), job_id="5")
+    flags = dict(w.split("=", 1) for w in calls[0] if w.startswith("--") and "=" in w)
+    assert flags["--rdzv-endpoint"] == "alpha:29500" and flags["--nnodes"] == "3"
+
+
+# --- self-checks ------------------------------------------------------------------------
+
+
+def test_global_rank_check_rejects_wrong_and_accepts_right(capsys):
+    assert checks07.check_global_rank(lambda node, local, nproc: None) is False
+    assert "Not yet" in capsys.readouterr().out
+    assert checks07.check_global_rank(lambda node, local, nproc: local * nproc + node) is False
+    assert checks07.check_global_rank(lambda node, local, nproc: node + local) is False
+    assert checks07.check_global_rank(lambda node, local, nproc: node * nproc + local) is True
+    assert "Correct" in capsys.readouterr().out
+
+
+def test_torchrun_command_check_rejects_wrong_and_accepts_right(capsys):
+    right = ("torchrun --nnodes=4 --nproc-per-node=8 --rdzv-id=777 --rdzv-backend=c10d "
+             "--rdzv-endpoint=gpu-node-01:29500 -m distcourse.train")
+    assert checks07.check_torchrun_command(right) is True
+    assert checks07.check_torchrun_command(right.replace("--nproc-per-node=8", "--nproc_per_node 8") + " --steps 5")
+    wrong = [
+        "",
+        "python train.py",
+        right.replace("--nnodes=4", "--nnodes=2"),
+        right.replace("gpu-node-01:29500", "localhost:29500"),
+        right.replace("--rdzv-backend=c10d", "--rdzv-backend=static"),
+        right.replace("-m distcourse.train", "distcourse/train.py"),
+        right.replace("torchrun ", "torchrun --standalone "),
+        "torchrun --nonsense",
+    ]
+    capsys.readouterr()
+    for command in wrong:
+        assert checks07.check_torchrun_command(command) is False, command
+    assert capsys.readouterr().out.count("Not yet") == len(wrong)
+
+
+def test_notebook_exercise_cells_hold_stubs():
+    import nbformat
+
+    nb = nbformat.read(CODE.parents[1] / "chapters/en/07-torchrun.ipynb", as_version=4)
+    code = [c.source for c in nb.cells if c.cell_type == "code"]
+    assert "    pass" in code[-2] and "checks07.check_global_rank(my_global_rank)" in code[-2]
+    assert 'my_command = ""' in code[-1] and "checks07.check_torchrun_command(my_command)" in code[-1]
+
+
+# --- slow: multi-node and repeated elastic restarts --------------------------------------
+
+
+@pytest.mark.slow
+def test_two_agents_as_two_nodes(reference, tmp_path, no_leftovers):
+    port, run_id = tt.free_port(), uuid.uuid4().hex
+    nodes = [
+        tt.torchrun("--nnodes=2", "--nproc-per-node=1", f"--node-rank={n}", "--rdzv-backend=c10d",
+                    f"--rdzv-endpoint=127.0.0.1:{port}", f"--rdzv-id={run_id}", "--local-addr=127.0.0.1",
+                    script_args=script_args(tmp_path, "--print-env"))
+        for n in (0, 1)
+    ]
+    env = tt.child_env(CUDA_VISIBLE_DEVICES="")
+    agents = tt.run_together(nodes, env=env, timeout=120)
+    same_as(reference, tt.find_json(agents, 0, "result"), tmp_path)
+    group_ranks = sorted(a.json(r, "worker")["env"]["GROUP_RANK"] for a in agents for r in a.ranks)
+    assert group_ranks == ["0", "1"]
+
+
+ELASTIC_ATTEMPTS = 5
+ELASTIC_RESULTS: list[bool] = []
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("attempt", range(ELASTIC_ATTEMPTS))
+def test_elastic_restart_resumes_and_matches(reference, tmp_path, attempt, no_leftovers):
+    ok = False
+    try:
+        run = tt.run(tt.torchrun("--standalone", "--nproc-per-node=2", "--max-restarts=2",
+                                 script_args=script_args(tmp_path, "--ckpt-dir", tmp_path, "--save-every", 3,
+                                                         "--crash-at", 5, "--print-env")), timeout=120)
+        restarts = [w["env"]["TORCHELASTIC_RESTART_COUNT"] for w in run.all_json(0, "worker")]
+        assert restarts == ["0", "1"]
+        assert run.ranks[1].count("simulated crash in step 5") == 1
+        assert "resumed from step 3 (step-0003.pt)" in run.ranks[0]
+        same_as(reference, run.json(0, "result"), tmp_path)
+        log = [json.loads(line) for line in (tmp_path / "losses.jsonl").read_text().splitlines()]
+        assert [r["step"] for r in log] == [0, 1, 2, 3, 4] + list(range(3, STEPS))
+        ok = True
+    finally:
+        ELASTIC_RESULTS.append(ok)
+        print(f"elastic restarts: {sum(ELASTIC_RESULTS)}/{len(ELASTIC_RESULTS)} passed")
