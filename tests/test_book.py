@@ -2,6 +2,7 @@
 
 Both tests go through tools/build_book.py, the same entry point as `make book`.
 """
+import re
 import subprocess
 import sys
 import time
@@ -51,6 +52,16 @@ def test_book_builds_without_execution(tmp_path):
     assert not (tmp_path / "_build" / ".jupyter_cache").exists()
     assert [mtime(p) for p in main_build] == before
     assert seconds <= 60, f"no-execute build took {seconds:.1f} s, budget is 60 s"
+
+    # Every chapter page: the theme's launch button and the header badge open this very
+    # notebook in Colab (both come from the repository URL in _config.yml).
+    sys.path.insert(0, str(REPO_ROOT / "tools"))
+    import headers
+
+    for notebook in headers.notebooks(REPO_ROOT):
+        page = (html / notebook.relative_to(REPO_ROOT).with_suffix(".html")).read_text(encoding="utf-8")
+        colab_links = re.findall(r'href="(https://colab\.research\.google\.com/github/[^"]+)"', page)
+        assert colab_links == [headers.colab_url(notebook, REPO_ROOT)] * 2, (notebook, colab_links)
 
 
 TINY_CONFIG = """\

@@ -31,3 +31,24 @@ def test_self_check_rejects_wrong_answers_and_accepts_the_right_one(capsys):
     assert checks.check_worker_init_fn(ignores_the_seed) is False
     assert "seed is ignored" in capsys.readouterr().out
     assert checks.check_worker_init_fn(data.reseed_worker) is True
+
+
+def test_missing_or_bad_dataset_paths_give_clear_errors(tmp_path):
+    import os
+
+    import pytest
+
+    with pytest.raises(FileNotFoundError, match="CIFAR-10 is not in .*download=True"):
+        data.cifar10(tmp_path / "nowhere")
+    a_file = tmp_path / "file"
+    a_file.write_text("not a folder")
+    with pytest.raises(NotADirectoryError, match="is a file"):
+        data.cifar10(a_file)
+    (tmp_path / "broken" / "cifar-10-batches-py").mkdir(parents=True)  # present but empty
+    with pytest.raises(RuntimeError, match="incomplete or corrupt"):
+        data.cifar10(tmp_path / "broken")
+    if os.geteuid() != 0:  # root reads everything, so this case needs an ordinary user
+        locked = tmp_path / "locked"
+        locked.mkdir(mode=0)
+        with pytest.raises(PermissionError, match="cannot read"):
+            data.cifar10(locked)

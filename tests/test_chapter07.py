@@ -277,7 +277,7 @@ def test_two_agents_as_two_nodes(reference, tmp_path, no_leftovers):
     assert group_ranks == ["0", "1"]
 
 
-ELASTIC_ATTEMPTS = 5
+ELASTIC_ATTEMPTS = 1  # the stress suite (tests/test_stress_recovery.py) repeats it 20 times
 ELASTIC_RESULTS: list[bool] = []
 
 
@@ -300,3 +300,24 @@ def test_elastic_restart_resumes_and_matches(reference, tmp_path, attempt, no_le
     finally:
         ELASTIC_RESULTS.append(ok)
         print(f"elastic restarts: {sum(ELASTIC_RESULTS)}/{len(ELASTIC_RESULTS)} passed")
+
+
+# --- bad environment values -----------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "env, message",
+    [
+        ({"RANK": "zero", "LOCAL_RANK": "0", "WORLD_SIZE": "2", "LOCAL_WORLD_SIZE": "2"}, "RANK='zero' is not an integer"),
+        ({"RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "0", "LOCAL_WORLD_SIZE": "1"}, "WORLD_SIZE=0 must be at least 1"),
+        ({"RANK": "3", "LOCAL_RANK": "0", "WORLD_SIZE": "2", "LOCAL_WORLD_SIZE": "2"}, "do not fit"),
+        ({"RANK": "0"}, "LOCAL_RANK is not set"),
+    ],
+)
+def test_bad_launcher_environment_is_a_clear_error(monkeypatch, env, message):
+    for key in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "TORCHELASTIC_RESTART_COUNT"):
+        monkeypatch.delenv(key, raising=False)
+    for key, value in env.items():
+        monkeypatch.setenv(key, value)
+    with pytest.raises(ValueError, match=message):
+        train.main(["--steps", "1"])

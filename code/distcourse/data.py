@@ -252,3 +252,33 @@ def first_draw_per_worker(num_workers: int = 2) -> dict[str, list[int]]:
     loader = _loader(RandomSources(num_workers), batch_size=None, num_workers=num_workers)
     draws = sorted(_batches(loader), key=lambda d: d["worker"])
     return {source: [d[source] for d in draws] for source in draws[0] if source != "worker"}
+
+
+def cifar10(root, train: bool = True, download: bool = False, transform=None):
+    """CIFAR-10 through torchvision, for learners with a network.
+
+    The executed chapters use data that ships with scikit-learn (no downloads); this is
+    the loader for running them on real images. Bad paths fail with a message that says
+    what to do, before torchvision is asked.
+    """
+    import pathlib
+
+    root = pathlib.Path(root).expanduser()
+    folder = root / "cifar-10-batches-py"
+    if root.exists() and not root.is_dir():
+        raise NotADirectoryError(f"CIFAR-10 root {root} is a file; give the folder that holds cifar-10-batches-py")
+    if root.exists() and not os.access(root, os.R_OK | os.X_OK):
+        raise PermissionError(f"cannot read {root}: check its permissions")
+    if not download and not folder.is_dir():
+        raise FileNotFoundError(
+            f"CIFAR-10 is not in {root} (expected {folder}). Pass download=True to fetch it "
+            "(about 170 MB, needs internet), or point root at a folder that already has it."
+        )
+    from torchvision import datasets
+
+    try:
+        return datasets.CIFAR10(str(root), train=train, download=download, transform=transform)
+    except RuntimeError as exc:
+        raise RuntimeError(
+            f"CIFAR-10 in {folder} is incomplete or corrupt ({exc}); delete that folder and pass download=True"
+        ) from None

@@ -169,14 +169,33 @@ def say(rank: int, text: str) -> None:
     sys.stdout.flush()
 
 
+def env_int(name: str, default: int | None = None, minimum: int = 0) -> int:
+    """An integer the launcher put in the environment, or a clear error if it is not one."""
+    value = os.environ.get(name)
+    if value is None:
+        if default is None:
+            raise ValueError(f"{name} is not set: run this script with torchrun, or unset RANK to run one process")
+        return default
+    try:
+        number = int(value)
+    except ValueError:
+        raise ValueError(f"{name}={value!r} is not an integer; let torchrun set it") from None
+    if number < minimum:
+        raise ValueError(f"{name}={number} must be at least {minimum}")
+    return number
+
+
 def main(argv=None) -> None:
     args = parse_args(argv)
-    ddp = int(os.environ.get("RANK", -1)) != -1  # started by torchrun (or another launcher)?
-    rank = int(os.environ["RANK"]) if ddp else 0
-    local_rank = int(os.environ["LOCAL_RANK"]) if ddp else 0
-    world_size = int(os.environ["WORLD_SIZE"]) if ddp else 1
-    local_world_size = int(os.environ["LOCAL_WORLD_SIZE"]) if ddp else 1
-    attempt = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
+    ddp = "RANK" in os.environ  # started by torchrun (or another launcher)?
+    rank = env_int("RANK") if ddp else 0
+    local_rank = env_int("LOCAL_RANK") if ddp else 0
+    world_size = env_int("WORLD_SIZE", minimum=1) if ddp else 1
+    local_world_size = env_int("LOCAL_WORLD_SIZE", minimum=1) if ddp else 1
+    attempt = env_int("TORCHELASTIC_RESTART_COUNT", default=0)
+    if ddp and not (0 <= rank < world_size and 0 <= local_rank < local_world_size):
+        raise ValueError(f"RANK={rank} / LOCAL_RANK={local_rank} do not fit WORLD_SIZE={world_size} / "
+                         f"LOCAL_WORLD_SIZE={local_world_size}; let torchrun set these variables")
     master_process = rank == 0  # logs and saves; the others only train
     device, backend = choose_device(local_rank, local_world_size)
 
