@@ -185,17 +185,27 @@ def env_int(name: str, default: int | None = None, minimum: int = 0) -> int:
     return number
 
 
-def main(argv=None) -> None:
-    args = parse_args(argv)
-    ddp = "RANK" in os.environ  # started by torchrun (or another launcher)?
-    rank = env_int("RANK") if ddp else 0
-    local_rank = env_int("LOCAL_RANK") if ddp else 0
-    world_size = env_int("WORLD_SIZE", minimum=1) if ddp else 1
-    local_world_size = env_int("LOCAL_WORLD_SIZE", minimum=1) if ddp else 1
-    attempt = env_int("TORCHELASTIC_RESTART_COUNT", default=0)
-    if ddp and not (0 <= rank < world_size and 0 <= local_rank < local_world_size):
+def check_launcher_env() -> None:
+    """Refuse launcher variables that are missing, not integers, or inconsistent."""
+    env_int("TORCHELASTIC_RESTART_COUNT", default=0)
+    if env_int("RANK", default=-1, minimum=-1) == -1:
+        return  # one process
+    rank, local_rank = env_int("RANK"), env_int("LOCAL_RANK")
+    world_size, local_world_size = env_int("WORLD_SIZE", minimum=1), env_int("LOCAL_WORLD_SIZE", minimum=1)
+    if not (rank < world_size and local_rank < local_world_size):
         raise ValueError(f"RANK={rank} / LOCAL_RANK={local_rank} do not fit WORLD_SIZE={world_size} / "
                          f"LOCAL_WORLD_SIZE={local_world_size}; let torchrun set these variables")
+
+
+def main(argv=None) -> None:
+    args = parse_args(argv)
+    check_launcher_env()  # malformed values fail here with a clear message
+    ddp = int(os.environ.get("RANK", -1)) != -1  # started by torchrun (or another launcher)?
+    rank = int(os.environ["RANK"]) if ddp else 0
+    local_rank = int(os.environ["LOCAL_RANK"]) if ddp else 0
+    world_size = int(os.environ["WORLD_SIZE"]) if ddp else 1
+    local_world_size = int(os.environ["LOCAL_WORLD_SIZE"]) if ddp else 1
+    attempt = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
     master_process = rank == 0  # logs and saves; the others only train
     device, backend = choose_device(local_rank, local_world_size)
 
