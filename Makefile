@@ -20,7 +20,7 @@ $(STAMP): requirements.txt pyproject.toml
 $(NODE_STAMP): package.json package-lock.json
 	if command -v npm >/dev/null; then npm ci --no-audit --no-fund; else echo "npm not found: no slides"; fi
 
-book: $(STAMP)
+book: $(STAMP) $(NODE_STAMP)
 	$(PY) tools/build_book.py
 
 test: $(STAMP) $(NODE_STAMP)
@@ -34,7 +34,7 @@ slides: $(STAMP) $(NODE_STAMP)
 	$(PY) tools/build_slides.py
 
 stress: $(STAMP)
-	$(PY) -m pytest -m stress tests/test_stress.py
+	$(PY) -m pytest -m stress tests
 
 times: $(STAMP)
 	$(PY) -m pytest chapters

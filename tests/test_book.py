@@ -53,6 +53,12 @@ def test_book_builds_without_execution(tmp_path):
     assert [mtime(p) for p in main_build] == before
     assert seconds <= 60, f"no-execute build took {seconds:.1f} s, budget is 60 s"
 
+    # No page loads a script or a style sheet from the network (MathJax comes from _static).
+    for page in html.rglob("*.html"):
+        remote = re.findall(r'<(?:script|link)[^>]+(?:src|href)="(https?:[^"]+)"', page.read_text(encoding="utf-8"))
+        assert not remote, (page.relative_to(html), remote)
+    assert (html / "_static" / "mathjax" / "tex-mml-chtml.js").is_file()
+
     # Every chapter page: the theme's launch button and the header badge open this very
     # notebook in Colab (both come from the repository URL in _config.yml).
     sys.path.insert(0, str(REPO_ROOT / "tools"))

@@ -71,6 +71,26 @@ def print_failure(rc: int, log_path: Path) -> None:
     print(*shown, sep="\n", file=sys.stderr)
 
 
+# MathJax 3 for pages with formulas, from package.json (npm ci), served from the book's
+# own _static folder so that no page loads a script from a CDN. _config.yml points
+# html_static_path and mathjax_path here.
+MATHJAX = ("tex-mml-chtml.js", "output/chtml/fonts/woff-v2")
+STATIC_VENDOR = Path("_build") / "_static_vendor"
+
+
+def vendor_mathjax(root: Path) -> None:
+    source, target = root / "node_modules" / "mathjax-book" / "es5", root / STATIC_VENDOR / "mathjax"
+    target.mkdir(parents=True, exist_ok=True)  # Sphinx warns (an error with -W) if the folder is missing
+    if not source.exists():
+        print(f"note: {source} is missing (run `npm ci`): formulas will not render", flush=True)
+        return
+    for part in MATHJAX:
+        if (source / part).is_dir():
+            shutil.copytree(source / part, target / part, dirs_exist_ok=True)
+        else:
+            shutil.copy2(source / part, target / part)
+
+
 def jupyter_book(root: Path, out: Path, config: Path, extra: list) -> int:
     """Run `jupyter-book build`; HTML lands in out/_build/html. Returns its exit code.
 
@@ -79,6 +99,7 @@ def jupyter_book(root: Path, out: Path, config: Path, extra: list) -> int:
     """
     log_path = out / "_build" / "build.log"
     log_path.parent.mkdir(parents=True, exist_ok=True)
+    vendor_mathjax(root)
     cmd = [str(JUPYTER_BOOK), "build", str(root), "--path-output", str(out),
            "--config", str(config), "-W", "-n", "--keep-going", *extra]
     print(f"$ {' '.join(cmd)}\n  (log: {log_path})", flush=True)
