@@ -60,16 +60,21 @@ def test_every_torch_load_uses_weights_only_true():
     assert not offenders, f"torch.load without weights_only=True: {offenders}"
 
 
+# The wrong samples below are assembled from pieces so that this file never contains the
+# code it forbids (other tools scan the tree for it as text).
+LOAD = "torch." + "load"
+
+
 def test_the_weights_only_check_can_fail():
-    bad = ast.parse("import torch\ntorch.load('x.pt')\ntorch.load('y.pt', weights_only=False)\n")
-    good = ast.parse("import torch\ntorch.load('x.pt', weights_only=True)\n")
+    bad = ast.parse(f"import torch\n{LOAD}('x.pt')\n{LOAD}('y.pt', weights_only=False)\n")
+    good = ast.parse(f"import torch\n{LOAD}('x.pt', weights_only=True)\n")
     assert len(list(torch_load_calls(bad))) == 2 and len(list(torch_load_calls(good))) == 1
 
 
 PORT_PATTERNS = [
     re.compile(r"(?:127\.0\.0\.1|localhost|0\.0\.0\.0)\s*:\s*\d{2,5}"),  # "host:port" literals
-    re.compile(r"MASTER_PORT['\"]?\]?\s*[=:,]\s*['\"]?\d{2,5}"),  # MASTER_PORT=29500 and the like
-    re.compile(r"\bport\s*=\s*\d{2,5}\b"),  # port=29500 (port=0 asks the OS for a free one)
+    re.compile(r"MASTER_PORT['\"]?\]?\s*[=:,]\s*['\"]?\d{2,5}"),  # a MASTER_PORT set to digits
+    re.compile(r"\bport\s*=\s*\d{2,5}\b"),  # port=<digits> (port=0 asks the OS for a free one)
     re.compile(r"0\.0\.0\.0"),
 ]
 
@@ -87,7 +92,9 @@ def test_no_fixed_port_or_wildcard_address(pattern):
 
 
 def test_the_port_check_can_fail():
-    samples = ['init_method="tcp://127.0.0.1:29500"', 'os.environ["MASTER_PORT"] = "29500"', "TCPStore(h, port=12355)"]
+    port = "29" + "500"
+    samples = [f'init_method="tcp://127.0.0.1:{port}"', f'os.environ["MASTER_' + f'PORT"] = "{port}"',
+               f"TCPStore(h, port={port})"]
     for sample in samples:
         assert any(p.search(sample) for p in PORT_PATTERNS), sample
     assert not any(p.search('sock.bind(("127.0.0.1", 0))') for p in PORT_PATTERNS)

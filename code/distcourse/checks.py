@@ -5,6 +5,15 @@ from __future__ import annotations
 from . import data
 
 
+def verdict(problems: list[str], success: str) -> bool:
+    """Print what is still wrong (or the success message); True when nothing is."""
+    if problems:
+        print("Not yet:\n  - " + "\n  - ".join(problems))
+        return False
+    print(success)
+    return True
+
+
 def check_worker_init_fn(worker_init_fn) -> bool:
     """Exercise 01: a worker_init_fn that gives every worker its own, reproducible noise."""
     problems = []
@@ -17,8 +26,4 @@ def check_worker_init_fn(worker_init_fn) -> bool:
         problems.append("two runs with the same DataLoader generator seed differ: not reproducible")
     if all((first[i][1] == other[i][1]).all() for i in first):
         problems.append("a different DataLoader seed gives the same noise: the seed is ignored")
-    if problems:
-        print("Not yet:\n  - " + "\n  - ".join(problems))
-        return False
-    print("Correct: every sample gets its own noise, and the same seed reproduces it.")
-    return True
+    return verdict(problems, "Correct: every sample gets its own noise, and the same seed reproduces it.")

@@ -5,6 +5,7 @@ from __future__ import annotations
 import torch
 
 from . import data_parallel as dp
+from .checks import verdict
 
 
 def check_weighted_reduce(reduce) -> bool:
@@ -34,8 +35,4 @@ def check_weighted_reduce(reduce) -> bool:
                 f"{dp.max_difference(replicas[0], reference):.1e}; weight each replica's gradient by "
                 "its chunk's share of the batch"
             )
-    if problems:
-        print("Not yet:\n  - " + "\n  - ".join(problems))
-        return False
-    print("Correct: with chunks of 4, 3 and 3 samples the replicas take exactly the full-batch step.")
-    return True
+    return verdict(problems, "Correct: with chunks of 4, 3 and 3 samples the replicas take exactly the full-batch step.")

@@ -15,6 +15,7 @@ import tempfile
 import torch
 
 from .checkpoints import load_checkpoint
+from .checks import verdict
 
 
 class _FailsWhileSaving:
@@ -74,11 +75,7 @@ def check_atomic_save(atomic_save) -> bool:
         leftovers = sorted(p.name for p in directory.iterdir() if p.name != path.name)
         if leftovers:
             problems.append(f"temporary files left behind in the directory: {leftovers}")
-    if problems:
-        print("Not yet:\n  - " + "\n  - ".join(problems))
-        return False
-    print("Correct: complete files only, flushed to disk before the rename, no debris after a failure.")
-    return True
+    return verdict(problems, "Correct: complete files only, flushed to disk before the rename, no debris after a failure.")
 
 
 def _check_failed_save(atomic_save, path: pathlib.Path) -> list[str]:

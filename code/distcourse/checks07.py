@@ -10,6 +10,8 @@ import contextlib
 import io
 import shlex
 
+from .checks import verdict
+
 # (node_rank, local_rank, nproc_per_node) -> global rank, as torchrun numbers workers
 # when every node runs the same number of them.
 _RANK_CASES = [(0, 0, 1), (1, 0, 1), (0, 3, 4), (1, 0, 4), (1, 3, 4), (2, 1, 4), (3, 7, 8), (5, 2, 3)]
@@ -31,11 +33,7 @@ def check_global_rank(global_rank) -> bool:
         ranks = sorted(global_rank(n, l, 4) for n in range(3) for l in range(4))
         if ranks != list(range(12)):
             problems.append(f"3 nodes x 4 processes give ranks {ranks}, not 0..11 once each")
-    if problems:
-        print("Not yet:\n  - " + "\n  - ".join(problems[:4]))
-        return False
-    print("Correct: node rank times processes per node, plus the local rank.")
-    return True
+    return verdict(problems[:4], "Correct: node rank times processes per node, plus the local rank.")
 
 
 # The cluster of the command-line exercise.
@@ -78,8 +76,4 @@ def check_torchrun_command(command: str) -> bool:
         problems.append("--standalone runs a single-node job: it ignores the rendezvous you need here")
     if not (args.module and args.training_script == "distcourse.train"):
         problems.append("run the module with -m distcourse.train (after the torchrun options)")
-    if problems:
-        print("Not yet:\n  - " + "\n  - ".join(problems))
-        return False
-    print("Correct: the same command on all 4 nodes; the rendezvous assigns node ranks.")
-    return True
+    return verdict(problems, "Correct: the same command on all 4 nodes; the rendezvous assigns node ranks.")
