@@ -7,7 +7,10 @@ in every `chapters/<lang>/*.ipynb`:
   for this very file and links to the same chapter in the other languages
   that exist;
 * the second cell, the setup cell, from SETUP_CELL below (the same in every
-  notebook), with the repository URL and branch filled in.
+  notebook), with the repository URL, branch and the notebook's language filled in.
+
+A translated chapter's header also says that it is a translation and links to
+the English chapter and to the translation status page.
 
     python tools/headers.py          # rewrite
     python tools/headers.py --check  # exit 1 if any notebook is out of date
@@ -39,6 +42,13 @@ OTHER_LANGUAGES_LABEL = {
     "pt-BR": "Outros idiomas",
     "ko": "다른 언어",
 }
+TRANSLATION_NOTE = {  # {english}: link to the English chapter; {status}: the status page
+    "ru": "*Это перевод [английской версии главы]({english}). Актуален ли перевод, показывает [страница статуса переводов]({status}).*",
+    "zh-CN": "*本章译自[英文原版]({english})。译文是否与英文同步，请见[翻译状态页]({status})。*",
+    "zh-TW": "*本章譯自[英文原版]({english})。譯文是否與英文同步，請見[翻譯狀態頁]({status})。*",
+    "pt-BR": "*Este capítulo é uma tradução do [original em inglês]({english}). Veja na [página de status das traduções]({status}) se ela está em dia.*",
+    "ko": "*이 장은 [영어 원문]({english})을 번역한 것입니다. 번역이 최신인지는 [번역 현황 페이지]({status})에서 확인할 수 있습니다.*",
+}
 BADGE = "https://colab.research.google.com/assets/colab-badge.svg"
 
 # In Colab: clone the course next to the notebook and install the companion package
@@ -69,7 +79,9 @@ try:
 except ImportError:  # a checkout whose package is not installed: use its code/ folder
     sys.path.insert(0, os.path.abspath(os.path.join("..", "..", "code")))
     import distcourse
-distcourse.warm_up()  # start the rank launcher's fork server in the background"""
+distcourse.warm_up()  # start the rank launcher's fork server in the background
+distcourse.set_language("{lang}", install_fonts=IN_COLAB)  # text inside figures: this chapter's language
+from distcourse import tr"""
 
 
 def repository(root: pathlib.Path = ROOT) -> tuple[str, str]:
@@ -94,7 +106,13 @@ def header_markdown(notebook: pathlib.Path, title: str, root: pathlib.Path = ROO
     ]
     if links:
         lines += ["", f"**{OTHER_LANGUAGES_LABEL[lang]}:** " + " · ".join(links)]
+    if lang in TRANSLATION_NOTE:
+        lines += ["", TRANSLATION_NOTE[lang].format(english=f"../en/{notebook.name}", status="../../translation-status.md")]
     return "\n".join(lines)
+
+
+def setup_source(lang: str, url: str, branch: str) -> str:
+    return SETUP_CELL.format(url=url, branch=branch, lang=lang)
 
 
 def notebooks(root: pathlib.Path = ROOT) -> list[pathlib.Path]:
@@ -109,7 +127,7 @@ def update(notebook: pathlib.Path, root: pathlib.Path = ROOT) -> bool:
     header.source = header_markdown(notebook, title, root)
     url, branch = repository(root)
     setup = nb.cells[1]
-    setup.source = SETUP_CELL.format(url=url, branch=branch)
+    setup.source = setup_source(notebook.parent.name, url, branch)
     setup.metadata["slideshow"] = {"slide_type": "skip"}
     setup.metadata["tags"] = ["remove-input"]
     text = nbformat.writes(nb) + "\n"

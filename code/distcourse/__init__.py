@@ -8,6 +8,7 @@ from . import vision_compat
 vision_compat.install()  # before anything imports torchvision; see vision_compat.py
 
 from .hardware import cpu_cores, describe_machine, gpu_count, plan, rank_device  # noqa: E402
+from .i18n import language, set_language, tr  # noqa: E402
 from .launcher import LaunchError, LaunchTimeout, RankFailed, Results, launch, warm_up  # noqa: E402
 
 __version__ = "0.1.0"
@@ -23,4 +24,7 @@ __all__ = [
     "plan",
     "rank_device",
     "warm_up",
+    "language",
+    "set_language",
+    "tr",
 ]

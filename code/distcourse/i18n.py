@@ -1,0 +1,111 @@
+"""Text inside figures, in the reader's language.
+
+Every chapter exists in six languages with the same code. The setup cell of a
+chapter calls ``set_language("<code>")`` for the language of its folder, and the
+code cells pass every string they draw into a figure through ``tr()``:
+
+    ax.set_title(tr("Pipeline bubble, p = 2 stages"))
+    ax.set_title(tr("All-reduce time, {world} ranks, {backend}").format(world=2, backend="gloo"))
+
+``tr`` looks the English text up in ``locale/<code>.yml`` (English text -> translation).
+A small YAML catalog keyed by the English text is used instead of gettext's .po/.mo
+files because the catalogs are edited by translators next to the notebooks and
+need no compile step; ``tests/test_translations.py`` checks that every ``tr()``
+string in the English chapters has an entry in every catalog.
+
+Chinese and Korean labels need a CJK font. ``set_language`` looks for one among
+the installed fonts (Noto Sans CJK, Source Han Sans and the usual system fonts);
+with ``install_fonts=True`` (the setup cell passes it in Colab) it installs
+Debian's ``fonts-noto-cjk`` first if none is present. Without a CJK font the
+figures keep their English text, and a one-line message says how to get one.
+"""
+
+from __future__ import annotations
+
+import glob
+import pathlib
+import shutil
+import subprocess
+
+import yaml
+
+LANGUAGES = ("en", "ru", "zh-CN", "zh-TW", "pt-BR", "ko")
+LOCALE_DIR = pathlib.Path(__file__).with_name("locale")
+CJK_FONTS = {  # preferred family first; any of them draws the glyphs
+    "zh-CN": ["Noto Sans CJK SC", "Source Han Sans SC", "Microsoft YaHei", "PingFang SC", "WenQuanYi Zen Hei", "SimHei"],
+    "zh-TW": ["Noto Sans CJK TC", "Source Han Sans TC", "Microsoft JhengHei", "PingFang TC", "WenQuanYi Zen Hei"],
+    "ko": ["Noto Sans CJK KR", "Source Han Sans KR", "Malgun Gothic", "Apple SD Gothic Neo", "NanumGothic"],
+}
+FONT_FILES = ["/usr/share/fonts/opentype/noto/NotoSansCJK-Regular.ttc",
+              "/usr/share/fonts/opentype/noto/NotoSansCJK*.ttc",
+              "/usr/share/fonts/truetype/noto/NotoSansCJK*.ttc"]
+
+_language = "en"
+_catalog: dict[str, str] = {}
+
+
+def catalog(code: str) -> dict[str, str]:
+    """The figure-text catalog of a language: English text -> translation."""
+    if code not in LANGUAGES:
+        raise ValueError(f"unknown language {code!r}; the course has {', '.join(LANGUAGES)}")
+    if code == "en":
+        return {}
+    path = LOCALE_DIR / f"{code}.yml"
+    try:
+        entries = yaml.safe_load(path.read_text(encoding="utf-8")) or {}
+    except FileNotFoundError:
+        raise FileNotFoundError(f"no figure-text catalog for {code!r}: {path} is missing") from None
+    if not isinstance(entries, dict) or not all(isinstance(k, str) and isinstance(v, str) for k, v in entries.items()):
+        raise ValueError(f"{path} must map English text to translated text, one string to one string")
+    return entries
+
+
+def _cjk_font(code: str, install: bool) -> str | None:
+    from matplotlib import font_manager
+
+    def installed() -> str | None:
+        names = {f.name for f in font_manager.fontManager.ttflist}
+        return next((n for n in CJK_FONTS[code] if n in names), None)
+
+    found = installed()
+    if found is None:  # matplotlib's font cache may predate the fonts: register the files directly
+        for pattern in FONT_FILES:
+            for path in glob.glob(pattern):
+                font_manager.fontManager.addfont(path)
+        found = installed()
+    if found is None and install and shutil.which("apt-get"):
+        subprocess.run(["apt-get", "install", "-y", "-qq", "fonts-noto-cjk"], check=False,
+                       stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        return _cjk_font(code, install=False)
+    return found
+
+
+def set_language(code: str, install_fonts: bool = False) -> str:
+    """Draw figure text in language ``code`` from now on; returns the language in effect."""
+    global _language, _catalog
+    entries = catalog(code)
+    import matplotlib
+
+    family = ["DejaVu Sans"]
+    if code in CJK_FONTS:
+        font = _cjk_font(code, install_fonts)
+        if font is None:
+            print(f"No Chinese/Korean font found, so figures keep their English text. "
+                  f"To get translated figures install one (Debian/Ubuntu/Colab: apt-get install fonts-noto-cjk) "
+                  f"and run this cell again.")
+            code, entries = "en", {}
+        else:
+            family.append(font)   # matplotlib falls back to it for glyphs DejaVu Sans lacks
+    matplotlib.rcParams["font.family"] = family
+    _language, _catalog = code, entries
+    return code
+
+
+def language() -> str:
+    """The language figure text is drawn in."""
+    return _language
+
+
+def tr(text: str) -> str:
+    """``text`` (English) in the current language; English when the catalog lacks it."""
+    return _catalog.get(text, text)

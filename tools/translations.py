@@ -1,0 +1,431 @@
+"""Translations of the chapters: extract, apply, sync code from English, report freshness.
+
+Every chapter lives in `chapters/en/` and, translated, in `chapters/<lang>/` under
+the same file name. A translation has the same cells as the English notebook, in
+the same order, with the same cell ids and metadata. Markdown cells are
+translated; code cells are the English code, whose comments may be translated.
+The first two cells (header and setup) are written by `tools/headers.py`.
+
+Each translation records, in ``metadata.distcourse.translation``, the
+fingerprint of the English prose it was translated from (``english_prose``: a
+hash of the English markdown cells and code comments). When the English prose
+changes, the translation is *behind*: the book shows it on the page and on the
+status page; the tests do not fail. Code drift does fail the tests.
+
+    python tools/translations.py extract ru 03            # work file for a translator (stdout)
+    python tools/translations.py apply ru work/03.txt     # build chapters/ru/03-*.ipynb from it
+    python tools/translations.py sync                     # copy English code into every translation
+    python tools/translations.py status [--check]         # chapter x language: current / behind / missing
+
+The work file is plain text: one section per cell that needs translating,
+introduced by a line ``%%% title``, ``%%% markdown <cell id>`` or
+``%%% code <cell id>`` (code cells appear only when they contain comments).
+A text format of our own, rather than jupytext, because a translator must see
+exactly the cells that carry prose and nothing else, keyed by cell id.
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import hashlib
+import io
+import pathlib
+import re
+import sys
+import tokenize
+
+import nbformat
+import yaml
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "tools"))
+import headers  # noqa: E402
+
+TRANSLATED = [lang for lang in headers.LANGUAGES if lang != "en"]
+GLOSSARY = ROOT / "assets" / "glossary.yml"
+HEADER, SETUP = 0, 1  # cells written by tools/headers.py
+SECTION = re.compile(r"^%%% (title|markdown|code)(?: (\S+))?\s*$", re.M)
+
+
+# ---------------------------------------------------------------- notebooks
+
+def english_chapters(root: pathlib.Path = ROOT) -> list[pathlib.Path]:
+    return sorted((root / "chapters" / "en").glob("[0-9][0-9]-*.ipynb"))
+
+
+def chapter(number: str, root: pathlib.Path = ROOT) -> pathlib.Path:
+    found = [p for p in english_chapters(root) if p.name.startswith(f"{int(number):02d}-")]
+    if not found:
+        raise SystemExit(f"no English chapter {number!r} in chapters/en/")
+    return found[0]
+
+
+def translation_of(english: pathlib.Path, lang: str) -> pathlib.Path:
+    return english.parents[1] / lang / english.name
+
+
+def read(path: pathlib.Path) -> nbformat.NotebookNode:
+    return nbformat.read(path, as_version=4)
+
+
+def write(nb: nbformat.NotebookNode, path: pathlib.Path) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    partial = path.with_name(f".{path.name}.partial")
+    partial.write_text(nbformat.writes(nb) + "\n", encoding="utf-8")
+    partial.replace(path)  # readers never see a half-written notebook
+
+
+# ---------------------------------------------------------------- comments
+
+def split_comments(source: str) -> list[tuple[str, str]]:
+    """Each line as (code, comment): the comment starts at its '#', the code is rstripped."""
+    lines = source.split("\n")
+    comments: dict[int, int] = {}
+    try:
+        for tok in tokenize.generate_tokens(io.StringIO(source).readline):
+            if tok.type == tokenize.COMMENT:
+                comments[tok.start[0] - 1] = tok.start[1]
+    except (tokenize.TokenError, IndentationError, SyntaxError):
+        pass  # not Python that tokenizes: treat every line as code
+    return [(line[: comments[i]].rstrip(), line[comments[i]:]) if i in comments else (line.rstrip(), "")
+            for i, line in enumerate(lines)]
+
+
+def code_without_comments(source: str) -> str:
+    """The code of a cell with comments removed; lines that held only a comment are dropped."""
+    return "\n".join(code for code, comment in split_comments(source) if code or not comment).strip("\n")
+
+
+def comments_of(source: str) -> list[str]:
+    return [comment for _, comment in split_comments(source) if comment]
+
+
+def merge_comments(english: str, translated: str) -> str:
+    """English code, with the translated comments kept wherever the code next to them is unchanged.
+
+    An end-of-line comment is kept when its line's code is unchanged; a block of
+    comment lines when the code line that follows it (the code it describes) is
+    unchanged, and the block has as many lines as the English one. Other
+    comments come from the English cell.
+    """
+    def keyed(source: str) -> dict[tuple, list[str]]:
+        pairs, found, block = split_comments(source), {}, []
+        for code, comment in pairs:
+            if comment and not code:
+                block.append(comment)
+                continue
+            if block:
+                found[("above", code.strip())] = block
+                block = []
+            if comment:
+                found[("inline", code.strip())] = [comment]
+        if block:
+            found[("above", None)] = block
+        return found
+
+    ours = keyed(translated)
+    out, pending = [], []
+    for code, comment in split_comments(english) + [("", "")]:
+        if comment and not code:
+            indent = comment and code
+            pending.append((len(out), comment))
+            out.append(None)
+            continue
+        if pending:
+            key = ("above", code.strip()) if (code or comment) else ("above", None)
+            kept = ours.get(key)
+            english_lines = [c for _, c in pending]
+            replacement = kept if kept and len(kept) == len(english_lines) else english_lines
+            for (i, _), text in zip(pending, replacement):
+                out[i] = text
+            pending = []
+        if comment:
+            kept = ours.get(("inline", code.strip()))
+            comment = kept[0] if kept else comment
+        out.append((code, comment))
+    out.pop()  # the sentinel
+    english_lines = english.split("\n")
+    result = []
+    for i, item in enumerate(out):
+        if isinstance(item, str):  # a comment-only line: keep the English line's indentation
+            indent = english_lines[i][: len(english_lines[i]) - len(english_lines[i].lstrip())]
+            result.append(indent + item.lstrip())
+        else:
+            code, comment = item
+            if comment:
+                gap = re.match(r".*?(\s*)#", english_lines[i][len(code):]) if code else None
+                result.append(code + (gap.group(1) if gap else "") + comment)
+            else:
+                result.append(english_lines[i] if not code else code)
+    return "\n".join(result)
+
+
+# ---------------------------------------------------------------- prose fingerprint
+
+def prose(nb: nbformat.NotebookNode) -> list[str]:
+    """What a translator translates: the title, the markdown cells, the code comments."""
+    parts = [nb.cells[HEADER].source.splitlines()[0]]
+    for i, cell in enumerate(nb.cells):
+        if i in (HEADER, SETUP):
+            continue
+        if cell.cell_type == "markdown":
+            parts.append(cell.source)
+        elif cell.cell_type == "code":
+            parts.extend(comments_of(cell.source))
+    return parts
+
+
+def prose_fingerprint(nb: nbformat.NotebookNode) -> str:
+    digest = hashlib.sha256("\x00".join(prose(nb)).encode("utf-8")).hexdigest()
+    return digest[:12]
+
+
+def recorded(nb: nbformat.NotebookNode) -> dict:
+    return nb.metadata.get("distcourse", {}).get("translation", {})
+
+
+# ---------------------------------------------------------------- parity
+
+def code_differences(english: nbformat.NotebookNode, translated: nbformat.NotebookNode, lang: str) -> list[str]:
+    """Why the translation's code is not the English code; empty when it is."""
+    problems = []
+    en_ids = [c.get("id") for c in english.cells]
+    tr_ids = [c.get("id") for c in translated.cells]
+    if en_ids != tr_ids:
+        return [f"cells differ from the English ones (English has {len(en_ids)} cells, the translation "
+                f"{len(tr_ids)}; first difference at cell {next((i for i, (a, b) in enumerate(zip(en_ids, tr_ids)) if a != b), min(len(en_ids), len(tr_ids)))})"]
+    for i, (en, tr) in enumerate(zip(english.cells, translated.cells)):
+        if en.cell_type != tr.cell_type:
+            problems.append(f"cell {i} (id {en.get('id')}): {tr.cell_type} instead of {en.cell_type}")
+        elif i == SETUP:
+            url, branch = headers.repository()
+            if tr.source != headers.setup_source(lang, url, branch):
+                problems.append(f"cell {i} (setup): not the setup cell for {lang} (run python tools/headers.py)")
+        elif en.cell_type == "code" and code_without_comments(en.source) != code_without_comments(tr.source):
+            problems.append(f"cell {i} (id {en.get('id')}): code differs from English (run python tools/translations.py sync)")
+        if i not in (HEADER, SETUP) and en.metadata != tr.metadata:
+            problems.append(f"cell {i} (id {en.get('id')}): metadata differs from English")
+    return problems
+
+
+# ---------------------------------------------------------------- glossary
+
+def glossary(path: pathlib.Path = GLOSSARY) -> list[dict]:
+    return yaml.safe_load(path.read_text(encoding="utf-8"))["terms"]
+
+
+def _normalize(text: str) -> str:
+    return text.lower().replace("ё", "е").replace("-", " ").replace("\u00a0", " ")
+
+
+def _pattern(term: str, lang: str) -> re.Pattern:
+    """A term matches in any grammatical form: in Russian and Portuguese each word of
+    four or more letters may change its last two letters (case, number); in Korean
+    particles follow the term; in Chinese the term is matched as written."""
+    words = _normalize(term).split()
+    if lang in ("ru", "pt-BR"):
+        parts = [re.escape(w[:-2] if len(w) > 4 else w) + r"\w*" for w in words]
+        return re.compile(r"\b" + r"\s+".join(parts))
+    return re.compile(r"\s*".join(re.escape(w) for w in words))
+
+
+def english_uses(term: dict, text: str) -> bool:
+    return any(re.search(r"\b" + re.escape(_normalize(m)) + r"\b", _normalize(text)) for m in term["en"])
+
+
+def missing_terms(english: nbformat.NotebookNode, translated: nbformat.NotebookNode, lang: str,
+                  terms: list[dict] | None = None) -> list[str]:
+    """Glossary terms the English chapter uses but the translation never writes."""
+    en_text, tr_text = "\n".join(prose(english)), _normalize("\n".join(prose(translated)))
+    out = []
+    for term in glossary() if terms is None else terms:
+        accepted = term[lang] if isinstance(term[lang], list) else [term[lang]]
+        if english_uses(term, en_text) and not any(_pattern(a, lang).search(tr_text) for a in accepted):
+            out.append(f"{term['en'][0]!r} -> {accepted[0]!r}")
+    return out
+
+
+# ---------------------------------------------------------------- figure text
+
+def figure_texts(root: pathlib.Path = ROOT) -> dict[str, list[str]]:
+    """Every string literal the English chapters pass to ``tr()``, with the chapters using it."""
+    import ast
+
+    found: dict[str, list[str]] = {}
+    for path in english_chapters(root):
+        for cell in read(path).cells:
+            if cell.cell_type != "code":
+                continue
+            for node in ast.walk(ast.parse(cell.source)):
+                if (isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id == "tr"
+                        and node.args and isinstance(node.args[0], ast.Constant) and isinstance(node.args[0].value, str)):
+                    found.setdefault(node.args[0].value, [])
+                    if path.stem[:2] not in found[node.args[0].value]:
+                        found[node.args[0].value].append(path.stem[:2])
+    return found
+
+
+# ---------------------------------------------------------------- work files
+
+def extract(english: nbformat.NotebookNode, base: nbformat.NotebookNode | None = None) -> str:
+    """The work file for a translator; from ``base`` (an existing translation) when given."""
+    source = base or english
+    out = ["%%% title", source.cells[HEADER].source.splitlines()[0]]
+    for i, cell in enumerate(source.cells):
+        if i in (HEADER, SETUP):
+            continue
+        if cell.cell_type == "markdown" or (cell.cell_type == "code" and comments_of(cell.source)):
+            out += [f"%%% {cell.cell_type} {cell.get('id')}", cell.source]
+    return "\n".join(out) + "\n"
+
+
+def parse(text: str) -> tuple[str, dict[str, str]]:
+    title, cells = None, {}
+    marks = list(SECTION.finditer(text))
+    for m, nxt in zip(marks, marks[1:] + [None]):
+        body = text[m.end() + 1: nxt.start() if nxt else len(text)].strip("\n")
+        if m.group(1) == "title":
+            title = body.strip()
+        else:
+            cells[m.group(2)] = body
+    if not title or not title.startswith("# "):
+        raise ValueError("the work file needs a '%%% title' section with the chapter's '# ' title line")
+    return title, cells
+
+
+def apply(english_path: pathlib.Path, lang: str, text: str) -> tuple[pathlib.Path, list[str]]:
+    """Build the translation from a work file. Returns its path and any glossary gaps.
+
+    Raises ValueError, and writes nothing, if a cell is unknown or its code differs."""
+    english = read(english_path)
+    title, cells = parse(text)
+    nb = copy.deepcopy(english)
+    by_id = {c.get("id"): c for c in nb.cells}
+    unknown = set(cells) - set(by_id)
+    if unknown:
+        raise ValueError(f"cell ids not in the English chapter: {', '.join(sorted(unknown))}")
+    for cell_id, body in cells.items():
+        cell = by_id[cell_id]
+        if cell.cell_type == "code" and code_without_comments(body) != code_without_comments(cell.source):
+            raise ValueError(f"code cell {cell_id}: only comments may change in a code cell")
+        cell.source = body
+    nb.cells[HEADER].source = title + "\n"
+    nb.metadata.setdefault("distcourse", {})["translation"] = {
+        "language": lang, "english": f"chapters/en/{english_path.name}",
+        "english_prose": prose_fingerprint(english)}
+    out = translation_of(english_path, lang)
+    write(nb, out)
+    headers.update(out, english_path.parents[2])  # its setup cell and language links
+    return out, missing_terms(english, read(out), lang)
+
+
+def sync(translated_path: pathlib.Path, root: pathlib.Path = ROOT) -> bool:
+    """Make the translation's code cells the English ones, keeping translated comments.
+
+    Cells are matched by id. A cell the English gained is copied in English (the
+    prose fingerprint stays, so the status page shows the chapter as behind)."""
+    english = read(root / "chapters" / "en" / translated_path.name)
+    translated = read(translated_path)
+    old = {c.get("id"): c for c in translated.cells}
+    cells = []
+    for i, en in enumerate(english.cells):
+        cell = copy.deepcopy(en)
+        mine = old.get(en.get("id"))
+        if mine is not None and i not in (HEADER, SETUP) or (i == HEADER and mine is not None):
+            if en.cell_type == "markdown":
+                cell.source = mine.source
+            elif en.cell_type == "code":
+                cell.source = merge_comments(en.source, mine.source)
+        cells.append(cell)
+    before = nbformat.writes(translated)
+    translated.cells = cells
+    write(translated, translated_path)
+    headers.update(translated_path, root)
+    return nbformat.writes(read(translated_path)) != before
+
+
+# ---------------------------------------------------------------- status
+
+def status(root: pathlib.Path = ROOT) -> list[dict]:
+    """One row per chapter and language: current, behind (English prose changed) or missing."""
+    rows = []
+    for english_path in english_chapters(root):
+        english = read(english_path)
+        now = prose_fingerprint(english)
+        for lang in TRANSLATED:
+            path = translation_of(english_path, lang)
+            row = {"chapter": english_path.stem, "language": lang, "path": path, "english_prose": now}
+            if not path.exists():
+                row.update(state="missing", code=[])
+            else:
+                nb = read(path)
+                was = recorded(nb).get("english_prose")
+                row.update(state="current" if was == now else "behind", translated_from=was,
+                           code=code_differences(english, nb, lang))
+            rows.append(row)
+    return rows
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    sub = parser.add_subparsers(dest="command", required=True)
+    p = sub.add_parser("extract", help="print the work file of a chapter")
+    p.add_argument("lang", choices=headers.LANGUAGES)
+    p.add_argument("chapter", help="chapter number, e.g. 03")
+    p = sub.add_parser("apply", help="build a translation from a work file")
+    p.add_argument("lang", choices=TRANSLATED)
+    p.add_argument("workfile", type=pathlib.Path)
+    p.add_argument("--chapter", help="chapter number (default: the digits the work file's name starts with)")
+    p = sub.add_parser("sync", help="copy the English code cells into every translation")
+    p.add_argument("paths", nargs="*", type=pathlib.Path)
+    p = sub.add_parser("figure-texts", help="print a figure-text catalog template (YAML) for a language")
+    p.add_argument("lang", choices=TRANSLATED)
+    p = sub.add_parser("status", help="chapter x language: current, behind or missing")
+    p.add_argument("--check", action="store_true", help="exit 1 on a missing translation or code drift")
+    args = parser.parse_args()
+
+    if args.command == "extract":
+        english_path = chapter(args.chapter)
+        existing = translation_of(english_path, args.lang)
+        base = read(existing) if args.lang != "en" and existing.exists() else None
+        sys.stdout.write(extract(read(english_path), base))
+    elif args.command == "apply":
+        number = args.chapter or re.match(r"\d+", args.workfile.name).group(0)
+        try:
+            out, gaps = apply(chapter(number), args.lang, args.workfile.read_text(encoding="utf-8"))
+        except ValueError as error:
+            print(f"not applied: {error}", file=sys.stderr)
+            return 1
+        print(f"wrote {out.relative_to(ROOT)}")
+        for gap in gaps:
+            print(f"glossary: the English uses {gap.split(' -> ')[0]}, the translation never writes {gap.split(' -> ')[1]}")
+        return 1 if gaps else 0
+    elif args.command == "sync":
+        paths = args.paths or [p for lang in TRANSLATED for p in sorted((ROOT / "chapters" / lang).glob("[0-9][0-9]-*.ipynb"))]
+        for path in paths:
+            if sync(path.resolve()):
+                print(f"updated {path.resolve().relative_to(ROOT)}")
+    elif args.command == "figure-texts":
+        from distcourse import i18n
+
+        try:
+            have = i18n.catalog(args.lang)
+        except FileNotFoundError:
+            have = {}
+        for text, chapters in figure_texts().items():
+            print(f"# chapter {', '.join(chapters)}")
+            print(yaml.safe_dump({text: have.get(text, "")}, allow_unicode=True, width=1000).rstrip())
+    elif args.command == "status":
+        bad = 0
+        for row in status():
+            print(f"{row['chapter']:32s} {row['language']:6s} {row['state']}")
+            for problem in row["code"]:
+                print(f"    code drift: {problem}")
+            bad += row["state"] == "missing" or bool(row["code"])
+        return 1 if args.check and bad else 0
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
