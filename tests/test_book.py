@@ -36,21 +36,27 @@ def mtime(path: Path):
     return path.stat().st_mtime_ns if path.exists() else None
 
 
-def test_book_builds_without_execution(tmp_path):
+@pytest.fixture(scope="module")
+def book(tmp_path_factory):
+    """The whole book (six languages) built without execution; (html folder, build output, seconds)."""
+    tmp_path = tmp_path_factory.mktemp("book")
     # The main build's output and cache must survive a test build.
     main_build = [REPO_ROOT / "_build/html/index.html", REPO_ROOT / "_build/.jupyter_cache"]
     before = [mtime(p) for p in main_build]
-
     stdout, seconds = build_book("--no-execute", "--output", tmp_path)
+    assert [mtime(p) for p in main_build] == before
+    # Execution off means the execution cache is never even opened.
+    assert not (tmp_path / "_build" / ".jupyter_cache").exists()
+    return tmp_path / "_build" / "html", stdout, seconds
+
+
+def test_book_builds_without_execution(book):
+    html, stdout, seconds = book
     print(f"\nno-execute build of the book: {seconds:.1f} s")
 
-    html = tmp_path / "_build" / "html"
     assert stdout.splitlines()[-1] == str(html / "index.html")
     assert (html / "index.html").is_file()
     assert (html / "chapters/en/01-dataloader-workers.html").is_file()
-    # Execution off means the execution cache is never even opened.
-    assert not (tmp_path / "_build" / ".jupyter_cache").exists()
-    assert [mtime(p) for p in main_build] == before
     assert seconds <= 60, f"no-execute build took {seconds:.1f} s, budget is 60 s"
 
     # No page loads a script or a style sheet from the network (MathJax comes from _static).
@@ -134,3 +140,84 @@ def test_cache_follows_code_changes(tmp_path):
     assert "second-value" in page.read_text()
     assert "--all" not in stdout, "nothing changed, the rebuild should be incremental"
     assert unchanged <= 10, f"no-change rebuild took {unchanged:.1f} s, target is 10 s"
+
+
+# ---------------------------------------------------------------- six languages in one book
+
+LANGUAGE_LINK_CASES = [("en", "ru"), ("ru", "zh-TW"), ("zh-CN", "ko"), ("ko", "pt-BR"), ("pt-BR", "zh-CN"), ("zh-TW", "en")]
+
+
+def test_translated_pages_say_they_are_translations_and_are_current(book):
+    html, _, _ = book
+    sys.path.insert(0, str(REPO_ROOT / "tools"))
+    import translations
+
+    for english in translations.english_chapters(REPO_ROOT):
+        for lang in translations.TRANSLATED:
+            page = (html / "chapters" / lang / english.with_suffix(".html").name).read_text(encoding="utf-8")
+            notice = page.find("translation-current")
+            assert notice != -1, f"{lang}/{english.stem}: no 'translation is current' notice"
+            assert "translation-behind" not in page
+            assert notice < page.find("<h2"), "the notice is not near the top of the page"
+
+
+def test_status_page_lists_every_translation_as_current(book):
+    html, _, _ = book
+    page = (html / "translation-status.html").read_text(encoding="utf-8")
+    assert page.count("✅ current") == 40, page.count("✅ current")
+    assert "40 current, 0 behind, 0 missing" in page
+    glossary = (html / "glossary.html").read_text(encoding="utf-8")
+    assert "分散式訓練" in glossary and "распределённое обучение" in glossary
+
+
+def test_part_captions_are_in_their_own_language(book):
+    html, _, _ = book
+    sidebar = (html / "index.html").read_text(encoding="utf-8")
+    for name in ["English", "Русский", "简体中文", "繁體中文", "Português (Brasil)", "한국어"]:
+        assert re.search(r'class="caption-text">' + re.escape(name) + "<", sidebar), name
+
+
+@pytest.fixture(scope="module")
+def browser(tmp_path_factory):
+    from cdp import CHROMIUM, Browser
+
+    if CHROMIUM is None:
+        pytest.skip("no chromium (tools/install_browser.sh installs it when run as root)")
+    b = Browser(str(tmp_path_factory.mktemp("chromium-profile")))
+    yield b
+    b.close()
+
+
+@pytest.mark.parametrize("start, target", LANGUAGE_LINK_CASES, ids=[f"{a}-to-{b}" for a, b in LANGUAGE_LINK_CASES])
+def test_language_link_opens_the_same_chapter(book, browser, start, target):
+    html, _, _ = book
+    sys.path.insert(0, str(REPO_ROOT / "tools"))
+    import headers
+
+    chapter = "03-collectives.html"
+    browser.open((html / "chapters" / start / chapter).as_uri())
+    name = headers.LANGUAGES[target]
+    clicked = browser.evaluate(
+        f"(() => {{ const a = [...document.querySelectorAll('article a')].find(a => a.textContent.trim() === {name!r});"
+        " if (!a) return null; a.click(); return a.getAttribute('href'); })()")
+    assert clicked == f"../{target}/{chapter}", clicked
+    landed = browser.wait_for(f"location.href.endsWith('/chapters/{target}/{chapter}') && "
+                              "document.readyState === 'complete' && document.querySelector('h1').textContent")
+    expected = headers.LANGUAGES  # the h1 is the translated chapter title of that language
+    title = nbformat.read(REPO_ROOT / "chapters" / target / "03-collectives.ipynb", as_version=4).cells[0].source
+    assert landed.strip().rstrip("#").strip() == title.splitlines()[0].lstrip("# ").strip()
+    assert expected[target]
+
+
+SEARCHES = [("分布式训练", "chapters/zh-CN/"), ("分散式訓練", "chapters/zh-TW/"), ("분산", "chapters/ko/"),
+            ("распределённое", "chapters/ru/"), ("treinamento", "chapters/pt-BR/"), ("all_reduce", "chapters/en/")]
+
+
+@pytest.mark.parametrize("query, folder", SEARCHES, ids=[f for _, f in SEARCHES])
+def test_search_finds_pages_in_every_language(book, browser, query, folder):
+    html, _, _ = book
+    browser.open((html / "search.html").as_uri() + "?q=" + query)
+    found = browser.wait_for("(() => { const r = [...document.querySelectorAll('#search-results li a')];"
+                             " return document.querySelector('#search-results p')?.textContent && r.map(a => a.href); })()",
+                             timeout=30)
+    assert any(folder in href for href in found), (query, found[:5])

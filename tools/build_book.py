@@ -41,7 +41,7 @@ ANSI_ESCAPE = re.compile(r"\x1b\[[0-9;]*m")
 
 def fingerprint(root: Path) -> str:
     """sha256 over the notebooks' inputs that are not in the notebooks."""
-    files = sorted((root / "code").rglob("*.py")) + [root / name for name in INPUT_FILES]
+    files = sorted((root / "code").rglob("*.py")) + sorted((root / "code").rglob("*.yml")) + [root / name for name in INPUT_FILES]
     lines = []
     for path in files:
         digest = hashlib.sha256(path.read_bytes()).hexdigest() if path.is_file() else "missing"

@@ -106,59 +106,57 @@ def merge_comments(english: str, translated: str) -> str:
 
     An end-of-line comment is kept when its line's code is unchanged; a block of
     comment lines when the code line that follows it (the code it describes) is
-    unchanged, and the block has as many lines as the English one. Other
-    comments come from the English cell.
+    unchanged and the block has as many lines as the English one. A code line
+    that occurs several times in a cell is told apart by its occurrence number.
+    Every other comment comes from the English cell.
     """
-    def keyed(source: str) -> dict[tuple, list[str]]:
-        pairs, found, block = split_comments(source), {}, []
-        for code, comment in pairs:
+    def anchors(pairs):
+        """For each line: the key of the code it belongs to, as (code, occurrence)."""
+        seen, keys = {}, []
+        for code, _ in pairs:
+            stripped = code.strip()
+            if stripped:
+                seen[stripped] = seen.get(stripped, 0) + 1
+            keys.append((stripped, seen.get(stripped, 0)) if stripped else None)
+        return keys
+
+    def comments(source):
+        pairs = split_comments(source)
+        keys, found, block = anchors(pairs), {}, []
+        for (code, comment), key in zip(pairs, keys):
             if comment and not code:
                 block.append(comment)
                 continue
             if block:
-                found[("above", code.strip())] = block
+                found[("above", key)] = block
                 block = []
             if comment:
-                found[("inline", code.strip())] = [comment]
+                found[("inline", key)] = [comment]
         if block:
-            found[("above", None)] = block
+            found[("above", "end")] = block
         return found
 
-    ours = keyed(translated)
-    out, pending = [], []
-    for code, comment in split_comments(english) + [("", "")]:
-        if comment and not code:
-            indent = comment and code
-            pending.append((len(out), comment))
-            out.append(None)
+    ours = comments(translated)
+    pairs = split_comments(english)
+    keys = anchors(pairs)
+    lines = english.split("\n")
+    out = list(lines)
+    block: list[int] = []
+    for i, ((code, comment), key) in enumerate(zip(pairs + [("", "")], keys + [None])):
+        if i < len(pairs) and comment and not code:
+            block.append(i)
             continue
-        if pending:
-            key = ("above", code.strip()) if (code or comment) else ("above", None)
-            kept = ours.get(key)
-            english_lines = [c for _, c in pending]
-            replacement = kept if kept and len(kept) == len(english_lines) else english_lines
-            for (i, _), text in zip(pending, replacement):
-                out[i] = text
-            pending = []
-        if comment:
-            kept = ours.get(("inline", code.strip()))
-            comment = kept[0] if kept else comment
-        out.append((code, comment))
-    out.pop()  # the sentinel
-    english_lines = english.split("\n")
-    result = []
-    for i, item in enumerate(out):
-        if isinstance(item, str):  # a comment-only line: keep the English line's indentation
-            indent = english_lines[i][: len(english_lines[i]) - len(english_lines[i].lstrip())]
-            result.append(indent + item.lstrip())
-        else:
-            code, comment = item
-            if comment:
-                gap = re.match(r".*?(\s*)#", english_lines[i][len(code):]) if code else None
-                result.append(code + (gap.group(1) if gap else "") + comment)
-            else:
-                result.append(english_lines[i] if not code else code)
-    return "\n".join(result)
+        if block:
+            kept = ours.get(("above", key if i < len(pairs) else "end"))
+            if kept and len(kept) == len(block):
+                for j, text in zip(block, kept):
+                    out[j] = lines[j][: len(lines[j]) - len(lines[j].lstrip())] + text
+            block = []
+        if i < len(pairs) and comment:
+            kept = ours.get(("inline", key))
+            if kept:
+                out[i] = lines[i][: lines[i].index(comment)] + kept[0]
+    return "\n".join(out)
 
 
 # ---------------------------------------------------------------- prose fingerprint

@@ -1,0 +1,231 @@
+"""Translations: every chapter in every language, the same code, the glossary's terms, fresh.
+
+Each check is shown to fail on a broken input in the `*_catches_*` tests below.
+"""
+
+import copy
+import pathlib
+import re
+import shutil
+import subprocess
+import sys
+import xml.dom.minidom
+
+import nbformat
+import pytest
+import yaml
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "tools"))
+sys.path.insert(0, str(ROOT / "code"))
+import headers  # noqa: E402
+import translations  # noqa: E402
+from distcourse import i18n  # noqa: E402
+
+ENGLISH = translations.english_chapters(ROOT)
+PAIRS = [(en, lang) for lang in translations.TRANSLATED for en in ENGLISH]
+PAIR_IDS = [f"{lang}-{en.stem[:2]}" for en, lang in PAIRS]
+
+
+def test_there_are_eight_english_chapters_and_five_languages():
+    assert len(ENGLISH) == 8
+    assert translations.TRANSLATED == ["ru", "zh-CN", "zh-TW", "pt-BR", "ko"]
+
+
+@pytest.mark.parametrize("english, lang", PAIRS, ids=PAIR_IDS)
+def test_chapter_is_translated(english, lang):
+    path = translations.translation_of(english, lang)
+    assert path.exists(), f"missing translation: {path.relative_to(ROOT)}"
+    meta = translations.recorded(translations.read(path))
+    assert meta.get("language") == lang and meta.get("english") == f"chapters/en/{english.name}"
+    assert re.fullmatch(r"[0-9a-f]{12}", meta.get("english_prose", "")), "no English revision recorded"
+
+
+@pytest.mark.parametrize("english, lang", PAIRS, ids=PAIR_IDS)
+def test_code_is_the_english_code(english, lang):
+    translated = translations.read(translations.translation_of(english, lang))
+    problems = translations.code_differences(translations.read(english), translated, lang)
+    assert not problems, f"{english.stem} [{lang}]:\n" + "\n".join(problems)
+
+
+@pytest.mark.parametrize("english, lang", PAIRS, ids=PAIR_IDS)
+def test_prose_is_translated(english, lang):
+    en, tr = translations.read(english), translations.read(translations.translation_of(english, lang))
+    untranslated = [i for i, (a, b) in enumerate(zip(en.cells, tr.cells))
+                    if a.cell_type == "markdown" and i > 0 and len(a.source) > 80 and a.source == b.source]
+    assert not untranslated, f"{english.stem} [{lang}]: markdown cells still in English: {untranslated}"
+
+
+@pytest.mark.parametrize("english, lang", PAIRS, ids=PAIR_IDS)
+def test_glossary_terms_are_used(english, lang):
+    missing = translations.missing_terms(translations.read(english),
+                                         translations.read(translations.translation_of(english, lang)), lang)
+    assert not missing, f"{english.stem} [{lang}] never writes the glossary term for: " + "; ".join(missing)
+
+
+def test_glossary_has_every_language():
+    for term in translations.glossary():
+        assert set(translations.TRANSLATED) <= set(term), term["en"]
+
+
+def test_parity_check_catches_changed_code_not_comments():
+    english = translations.read(ENGLISH[0])
+    tr = translations.read(translations.translation_of(ENGLISH[0], "ru"))
+    i = next(i for i, c in enumerate(tr.cells) if i > 1 and c.cell_type == "code" and "#" in c.source)
+    comment_only = copy.deepcopy(tr)
+    comment_only.cells[i].source = comment_only.cells[i].source.replace("#", "# другой комментарий:", 1)
+    assert translations.code_differences(english, comment_only, "ru") == []
+    broken = copy.deepcopy(tr)
+    broken.cells[i].source += "\nx = 1"
+    assert translations.code_differences(english, broken, "ru") == [
+        f"cell {i} (id {english.cells[i].id}): code differs from English (run python tools/translations.py sync)"]
+    swapped = copy.deepcopy(tr)
+    swapped.cells[2], swapped.cells[3] = swapped.cells[3], swapped.cells[2]
+    assert "cells differ from the English ones" in translations.code_differences(english, swapped, "ru")[0]
+
+
+def test_glossary_check_catches_a_missing_term():
+    english = translations.read(ENGLISH[0])
+    untranslated = copy.deepcopy(english)   # an "translation" that is still English
+    missing = translations.missing_terms(english, untranslated, "ru")
+    assert "'distributed training' -> 'распределённое обучение'" in missing
+    # inflected forms count: "распределённого обучения" matches the term
+    term = [t for t in translations.glossary() if t["en"][0] == "distributed training"]
+    inflected = copy.deepcopy(english)
+    inflected.cells[2].source = "Основы распределённого обучения."
+    assert translations.missing_terms(english, inflected, "ru", term) == []
+    assert translations.missing_terms(english, untranslated, "zh-TW", term) == ["'distributed training' -> '分散式訓練'"]
+
+
+@pytest.mark.parametrize("lang", translations.TRANSLATED)
+def test_figure_text_catalog_is_complete(lang):
+    catalog = i18n.catalog(lang)
+    needed = translations.figure_texts(ROOT)
+    missing = sorted(set(needed) - set(catalog))
+    assert not missing, f"code/distcourse/locale/{lang}.yml lacks: {missing}"
+    stale = sorted(set(catalog) - set(needed))
+    assert not stale, f"code/distcourse/locale/{lang}.yml has entries no chapter uses: {stale}"
+    for english, translated in catalog.items():
+        assert translated.strip(), f"{lang}: empty translation of {english!r}"
+        assert re.findall(r"\{[^}]*\}", english) == re.findall(r"\{[^}]*\}", translated) or \
+            sorted(re.findall(r"\{[^}]*\}", english)) == sorted(re.findall(r"\{[^}]*\}", translated)), \
+            f"{lang}: placeholders differ in {english!r} -> {translated!r}"
+
+
+def test_figure_text_follows_the_language(capsys):
+    try:
+        assert i18n.set_language("ru") == "ru"
+        assert i18n.tr("Pipeline bubble, p = 2 stages") == i18n.catalog("ru")["Pipeline bubble, p = 2 stages"]
+        assert i18n.tr("not a catalogued text") == "not a catalogued text"
+        with pytest.raises(ValueError, match="unknown language 'xx'"):
+            i18n.set_language("xx")
+    finally:
+        i18n.set_language("en")
+    assert i18n.tr("Pipeline bubble, p = 2 stages") == "Pipeline bubble, p = 2 stages"
+
+
+@pytest.mark.parametrize("lang", ["zh-CN", "zh-TW", "ko"])
+def test_cjk_figures_get_a_cjk_font(lang):
+    import matplotlib
+
+    if not any(pathlib.Path(p).exists() for p in ["/usr/share/fonts/opentype/noto/NotoSansCJK-Regular.ttc"]):
+        pytest.skip("fonts-noto-cjk is not installed (tools/install_browser.sh installs it as root)")
+    try:
+        assert i18n.set_language(lang) == lang
+        assert matplotlib.rcParams["font.family"][1] == i18n.CJK_FONTS[lang][0]
+    finally:
+        i18n.set_language("en")
+
+
+@pytest.mark.parametrize("lang", translations.TRANSLATED)
+def test_diagram_is_translated(lang):
+    svg = ROOT / "assets" / f"03-ranks-2-nodes-x-2-gpus.{lang}.svg"
+    texts = [n.toxml() for n in xml.dom.minidom.parse(str(svg)).getElementsByTagName("text")]
+    english = [n.toxml() for n in xml.dom.minidom.parse(str(ROOT / "assets/03-ranks-2-nodes-x-2-gpus.svg"))
+               .getElementsByTagName("text")]
+    assert len(texts) == len(english) and texts != english
+    chapter = (ROOT / "chapters" / lang / "03-collectives.ipynb").read_text(encoding="utf-8")
+    assert f"../../assets/03-ranks-2-nodes-x-2-gpus.{lang}.svg" in chapter
+
+
+def test_toc_has_every_chapter_in_every_language_with_native_captions():
+    toc = yaml.safe_load((ROOT / "_toc.yml").read_text(encoding="utf-8"))
+    parts = {part["caption"]: [c["file"] for c in part["chapters"]] for part in toc["parts"]}
+    for lang, name in headers.LANGUAGES.items():
+        expected = [f"chapters/{lang}/{p.stem}" for p in ENGLISH]
+        if lang != "en":
+            expected = [f"chapters/{lang}/index"] + expected
+        assert parts[name] == expected
+        if lang != "en":
+            assert (ROOT / "chapters" / lang / "index.md").exists()
+
+
+@pytest.mark.parametrize("lang", translations.TRANSLATED)
+def test_landing_page_offers_every_language_and_chapter(lang):
+    page = (ROOT / "chapters" / lang / "index.md").read_text(encoding="utf-8")
+    for other, name in headers.LANGUAGES.items():
+        target = "../../index.md" if other == "en" else f"../{other}/index.md"
+        assert f"[{name}]({target})" in page, (other, name)
+    for english in ENGLISH:
+        assert f"]({english.name})" in page, english.name
+    assert "](../../glossary.md)" in page and "](../../translation-status.md)" in page
+
+
+def test_english_landing_page_offers_languages_by_native_name():
+    page = (ROOT / "index.md").read_text(encoding="utf-8")
+    for lang, name in headers.LANGUAGES.items():
+        if lang != "en":
+            assert f"[{name}](chapters/{lang}/index.md)" in page
+
+
+@pytest.fixture
+def scratch(tmp_path):
+    """A copy of the book's sources to break."""
+    for part in ("_config.yml", "chapters", "assets"):
+        src = ROOT / part
+        (shutil.copytree if src.is_dir() else shutil.copy)(src, tmp_path / part)
+    return tmp_path
+
+
+def test_status_shows_behind_when_english_prose_changes(scratch):
+    rows = translations.status(scratch)
+    assert {r["state"] for r in rows} == {"current"}, [r for r in rows if r["state"] != "current"]
+    english = scratch / "chapters/en/05-checkpoints.ipynb"
+    nb = nbformat.read(english, as_version=4)
+    nb.cells[2].source += "\n\nOne more sentence."
+    nbformat.write(nb, english)
+    rows = translations.status(scratch)
+    behind = sorted(r["language"] for r in rows if r["state"] == "behind")
+    assert behind == sorted(translations.TRANSLATED)
+    assert all(r["code"] == [] for r in rows)       # prose drift is not code drift
+    (scratch / "chapters/ko/05-checkpoints.ipynb").unlink()
+    assert [r["state"] for r in translations.status(scratch) if r["language"] == "ko" and r["chapter"] == "05-checkpoints"] == ["missing"]
+
+
+def test_sync_copies_english_code_and_keeps_translated_comments(scratch):
+    english_path = scratch / "chapters/en/01-dataloader-workers.ipynb"
+    ru_path = scratch / "chapters/ru/01-dataloader-workers.ipynb"
+    en, ru = nbformat.read(english_path, as_version=4), nbformat.read(ru_path, as_version=4)
+    i = next(i for i, c in enumerate(ru.cells)
+             if i > 1 and c.cell_type == "code" and any(line.lstrip().startswith("#") for line in c.source.splitlines()))
+    kept = [line for line in ru.cells[i].source.splitlines() if line.lstrip().startswith("#")]
+    en.cells[i].source += "\nprint('a line the English gained')"
+    nbformat.write(en, english_path)
+    assert translations.code_differences(en, ru, "ru")
+    translations.sync(ru_path, scratch)
+    synced = nbformat.read(ru_path, as_version=4)
+    assert translations.code_differences(en, synced, "ru") == []
+    assert synced.cells[i].source.endswith("print('a line the English gained')")
+    assert all(line in synced.cells[i].source for line in kept), "translated comments were lost"
+    assert synced.cells[3].source == ru.cells[3].source      # markdown untouched
+
+
+def test_status_command_fails_on_missing_translation(scratch):
+    (scratch / "chapters/pt-BR/02-data-parallel.ipynb").unlink()
+    (scratch / "tools").mkdir()
+    for tool in ("translations.py", "headers.py"):
+        shutil.copy(ROOT / "tools" / tool, scratch / "tools" / tool)
+    result = subprocess.run([sys.executable, str(scratch / "tools/translations.py"), "status", "--check"],
+                            capture_output=True, text=True)
+    assert result.returncode == 1
+    assert "02-data-parallel                 pt-BR  missing" in result.stdout
