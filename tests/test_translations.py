@@ -167,7 +167,9 @@ def test_landing_page_offers_every_language_and_chapter(lang):
         target = "../../index.md" if other == "en" else f"../{other}/index.md"
         assert f"[{name}]({target})" in page, (other, name)
     for english in ENGLISH:
-        assert f"]({english.name})" in page, english.name
+        title = translations.read(ROOT / "chapters" / lang / english.name).cells[0].source.splitlines()[0]
+        title = title.lstrip("# ").split(" · ", 1)[1].strip()
+        assert f"[{title}]({english.name})" in page, f"the landing page should link {english.name} as {title!r}"
     assert "](../../glossary.md)" in page and "](../../translation-status.md)" in page
 
 
@@ -229,3 +231,15 @@ def test_status_command_fails_on_missing_translation(scratch):
                             capture_output=True, text=True)
     assert result.returncode == 1
     assert "02-data-parallel                 pt-BR  missing" in result.stdout
+
+
+def test_search_index_splits_cjk_text_into_pairs():
+    from sphinx.search.en import SearchEnglish
+
+    from course_book import CourseSearch
+
+    text = "本章介绍分布式训练 and gradients, 분산 학습을 and распределённое обучение"
+    english = SearchEnglish({}).split(text)
+    assert "本章介绍分布式训练" in english and "分布" not in english   # Sphinx alone: one "word" per CJK run
+    words = CourseSearch({}).split(text)
+    assert {"分布", "布式", "训练", "분산", "학습", "습을", "gradients", "распределённое"} <= set(words)
