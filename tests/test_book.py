@@ -155,6 +155,7 @@ def test_translated_pages_say_they_are_translations_and_are_current(book):
     for english in translations.english_chapters(REPO_ROOT):
         for lang in translations.TRANSLATED:
             page = (html / "chapters" / lang / english.with_suffix(".html").name).read_text(encoding="utf-8")
+            page = page[page.index("<article"):]   # the chapter itself, without the theme's sidebars
             notice = page.find("translation-current")
             assert notice != -1, f"{lang}/{english.stem}: no 'translation is current' notice"
             assert "translation-behind" not in page
@@ -203,10 +204,8 @@ def test_language_link_opens_the_same_chapter(book, browser, start, target):
     assert clicked == f"../{target}/{chapter}", clicked
     landed = browser.wait_for(f"location.href.endsWith('/chapters/{target}/{chapter}') && "
                               "document.readyState === 'complete' && document.querySelector('h1').textContent")
-    expected = headers.LANGUAGES  # the h1 is the translated chapter title of that language
     title = nbformat.read(REPO_ROOT / "chapters" / target / "03-collectives.ipynb", as_version=4).cells[0].source
     assert landed.strip().rstrip("#").strip() == title.splitlines()[0].lstrip("# ").strip()
-    assert expected[target]
 
 
 SEARCHES = [("分布式训练", "chapters/zh-CN/"), ("分散式訓練", "chapters/zh-TW/"), ("분산", "chapters/ko/"),
