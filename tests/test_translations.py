@@ -125,14 +125,26 @@ def test_figure_text_follows_the_language(capsys):
 
 
 @pytest.mark.parametrize("lang", ["zh-CN", "zh-TW", "ko"])
-def test_cjk_figures_get_a_cjk_font(lang):
+def test_cjk_figure_text_draws_without_missing_glyphs(lang):
     import matplotlib
 
     if not any(pathlib.Path(p).exists() for p in ["/usr/share/fonts/opentype/noto/NotoSansCJK-Regular.ttc"]):
         pytest.skip("fonts-noto-cjk is not installed (tools/install_browser.sh installs it as root)")
+    import warnings
+
+    matplotlib.use("agg")
+    import matplotlib.pyplot as plt
+
     try:
         assert i18n.set_language(lang) == lang
         assert matplotlib.rcParams["font.family"][1] == i18n.CJK_FONTS[lang][0]
+        fig = plt.figure()
+        for i, text in enumerate(i18n.catalog(lang).values()):
+            fig.text(0, i / 100, text.replace("$", r"\$"))
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")   # "Glyph ... missing from font(s)" becomes an error
+            fig.canvas.draw()
+        plt.close(fig)
     finally:
         i18n.set_language("en")
 
