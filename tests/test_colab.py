@@ -55,6 +55,12 @@ def test_first_chapter_runs_as_in_colab(notebook, tmp_path, monkeypatch):
     (standin / "google" / "colab").mkdir(parents=True)
     (standin / "google" / "__init__.py").write_text("")
     (standin / "google" / "colab" / "__init__.py").write_text('"""Stand-in for Colab\'s module."""\n')
+    # Colab answers "get_ipynb" with the notebook it shows; the setup cell reads the language from it.
+    (standin / "google" / "colab" / "_message.py").write_text(
+        "import glob, json\n"
+        "def blocking_request(kind, timeout_sec=None):\n"
+        "    assert kind == 'get_ipynb'\n"
+        "    return {'ipynb': json.load(open(glob.glob('*.ipynb')[0], encoding='utf-8'))}\n")
 
     monkeypatch.setenv("JUPYTER_PATH", str(_kernel_without_site(tmp_path, standin)))
     monkeypatch.setenv("DISTCOURSE_REPO_URL", ROOT.as_uri())
@@ -64,7 +70,7 @@ def test_first_chapter_runs_as_in_colab(notebook, tmp_path, monkeypatch):
     monkeypatch.setenv("PIP_IGNORE_INSTALLED", "1")
 
     nb = nbformat.read(content / notebook.name, as_version=4)
-    probe = nbformat.v4.new_code_cell("import distcourse; print(distcourse.__file__)")
+    probe = nbformat.v4.new_code_cell("import distcourse; print(distcourse.__file__); print(distcourse.language())")
     nb.cells.append(probe)  # which distcourse did the notebook use?
     client = NotebookClient(
         nb, kernel_name="colab-sim", timeout=300, resources={"metadata": {"path": str(content)}}
@@ -75,7 +81,8 @@ def test_first_chapter_runs_as_in_colab(notebook, tmp_path, monkeypatch):
     assert (clone / "code" / "distcourse" / "__init__.py").exists(), "the setup cell did not clone the course"
     installed = list((tmp_path / "prefix").rglob("*distcourse*"))
     assert installed, "the setup cell did not install the companion package"
-    used = probe.outputs[0]["text"].strip()
+    used, language = probe.outputs[0]["text"].split()
+    assert language == notebook.parent.name, f"figure text in {language!r}, the chapter is {notebook.parent.name!r}"
     assert used.startswith(str(clone)), f"the notebook used {used}, not the course it fetched"
     # and this environment's own installation is untouched
     check = subprocess.run([sys.executable, "-c", "import distcourse; print(distcourse.__file__)"],

@@ -7,7 +7,7 @@ in every `chapters/<lang>/*.ipynb`:
   for this very file and links to the same chapter in the other languages
   that exist;
 * the second cell, the setup cell, from SETUP_CELL below (the same in every
-  notebook), with the repository URL, branch and the notebook's language filled in.
+  notebook), with the repository URL and branch filled in.
 
 A translated chapter's header also says that it is a translation and links to
 the English chapter and to the translation status page.
@@ -80,7 +80,7 @@ except ImportError:  # a checkout whose package is not installed: use its code/ 
     sys.path.insert(0, os.path.abspath(os.path.join("..", "..", "code")))
     import distcourse
 distcourse.warm_up()  # start the rank launcher's fork server in the background
-distcourse.set_language("{lang}", install_fonts=IN_COLAB)  # text inside figures: this chapter's language
+distcourse.set_language(install_fonts=IN_COLAB)  # text inside figures in the chapter's language
 from distcourse import tr"""
 
 
@@ -111,8 +111,8 @@ def header_markdown(notebook: pathlib.Path, title: str, root: pathlib.Path = ROO
     return "\n".join(lines)
 
 
-def setup_source(lang: str, url: str, branch: str) -> str:
-    return SETUP_CELL.format(url=url, branch=branch, lang=lang)
+def setup_source(url: str, branch: str) -> str:
+    return SETUP_CELL.format(url=url, branch=branch)
 
 
 def notebooks(root: pathlib.Path = ROOT) -> list[pathlib.Path]:
@@ -127,7 +127,7 @@ def update(notebook: pathlib.Path, root: pathlib.Path = ROOT) -> bool:
     header.source = header_markdown(notebook, title, root)
     url, branch = repository(root)
     setup = nb.cells[1]
-    setup.source = setup_source(notebook.parent.name, url, branch)
+    setup.source = setup_source(url, branch)
     setup.metadata["slideshow"] = {"slide_type": "skip"}
     setup.metadata["tags"] = ["remove-input"]
     text = nbformat.writes(nb) + "\n"

@@ -185,7 +185,7 @@ def recorded(nb: nbformat.NotebookNode) -> dict:
 
 # ---------------------------------------------------------------- parity
 
-def code_differences(english: nbformat.NotebookNode, translated: nbformat.NotebookNode, lang: str) -> list[str]:
+def code_differences(english: nbformat.NotebookNode, translated: nbformat.NotebookNode) -> list[str]:
     """Why the translation's code is not the English code; empty when it is."""
     problems = []
     en_ids = [c.get("id") for c in english.cells]
@@ -196,10 +196,6 @@ def code_differences(english: nbformat.NotebookNode, translated: nbformat.Notebo
     for i, (en, tr) in enumerate(zip(english.cells, translated.cells)):
         if en.cell_type != tr.cell_type:
             problems.append(f"cell {i} (id {en.get('id')}): {tr.cell_type} instead of {en.cell_type}")
-        elif i == SETUP:
-            url, branch = headers.repository()
-            if tr.source != headers.setup_source(lang, url, branch):
-                problems.append(f"cell {i} (setup): not the setup cell for {lang} (run python tools/headers.py)")
         elif en.cell_type == "code" and code_without_comments(en.source) != code_without_comments(tr.source):
             problems.append(f"cell {i} (id {en.get('id')}): code differs from English (run python tools/translations.py sync)")
         if i not in (HEADER, SETUP) and en.metadata != tr.metadata:
@@ -330,7 +326,7 @@ def sync(translated_path: pathlib.Path, root: pathlib.Path = ROOT) -> bool:
     for i, en in enumerate(english.cells):
         cell = copy.deepcopy(en)
         mine = old.get(en.get("id"))
-        if mine is not None and i not in (HEADER, SETUP) or (i == HEADER and mine is not None):
+        if mine is not None and i != SETUP:   # the setup cell is the same everywhere
             if en.cell_type == "markdown":
                 cell.source = mine.source
             elif en.cell_type == "code":
@@ -360,7 +356,7 @@ def status(root: pathlib.Path = ROOT) -> list[dict]:
                 nb = read(path)
                 was = recorded(nb).get("english_prose")
                 row.update(state="current" if was == now else "behind", translated_from=was,
-                           code=code_differences(english, nb, lang))
+                           code=code_differences(english, nb))
             rows.append(row)
     return rows
 

@@ -1,8 +1,9 @@
 """Text inside figures, in the reader's language.
 
-Every chapter exists in six languages with the same code. The setup cell of a
-chapter calls ``set_language("<code>")`` for the language of its folder, and the
-code cells pass every string they draw into a figure through ``tr()``:
+Every chapter exists in six languages with the same code, setup cell included.
+The setup cell calls ``set_language()``, which finds the notebook's language
+itself (see ``notebook_language``), and the code cells pass every string they
+draw into a figure through ``tr()``:
 
     ax.set_title(tr("Pipeline bubble, p = 2 stages"))
     ax.set_title(tr("All-reduce time, {world} ranks, {backend}").format(world=2, backend="gloo"))
@@ -23,6 +24,8 @@ figures keep their English text, and a one-line message says how to get one.
 from __future__ import annotations
 
 import glob
+import json
+import os
 import pathlib
 import shutil
 import subprocess
@@ -80,9 +83,41 @@ def _cjk_font(code: str, install: bool) -> str | None:
     return found
 
 
-def set_language(code: str, install_fonts: bool = False) -> str:
-    """Draw figure text in language ``code`` from now on; returns the language in effect."""
+def _language_of(notebook: dict) -> str:
+    """A translated chapter records its language in its metadata; English ones record none."""
+    return notebook.get("metadata", {}).get("distcourse", {}).get("translation", {}).get("language", "en")
+
+
+def notebook_language() -> str:
+    """The language of the running chapter.
+
+    In order: ``DISTCOURSE_LANG``; the notebook file named by ``JPY_SESSION_NAME``
+    (Jupyter Server sets it); the working folder when it is ``chapters/<lang>``
+    (Jupyter, VS Code, nbval and Jupyter Book run a notebook in its own folder);
+    in Colab, the open notebook's metadata; otherwise English.
+    """
+    if os.environ.get("DISTCOURSE_LANG"):
+        return os.environ["DISTCOURSE_LANG"]
+    session = os.environ.get("JPY_SESSION_NAME", "")
+    if session.endswith(".ipynb") and os.path.isfile(session):
+        with open(session, encoding="utf-8") as f:
+            return _language_of(json.load(f))
+    here = pathlib.Path.cwd()
+    if here.parent.name == "chapters" and here.name in LANGUAGES:
+        return here.name
+    try:
+        from google.colab import _message  # Colab's own channel to the notebook it shows
+        return _language_of(_message.blocking_request("get_ipynb", timeout_sec=10)["ipynb"])
+    except Exception:  # not in Colab, or Colab did not answer: English
+        return "en"
+
+
+def set_language(code: str | None = None, install_fonts: bool = False) -> str:
+    """Draw figure text in language ``code`` (default: the notebook's) from now on.
+
+    Returns the language in effect."""
     global _language, _catalog
+    code = notebook_language() if code is None else code
     entries = catalog(code)
     import matplotlib
 
