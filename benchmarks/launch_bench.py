@@ -117,7 +117,7 @@ def main() -> None:
 
     # The launcher pins gloo to loopback; do the same for the other two (their
     # ranks inherit this environment) so that all three do the same network work.
-    os.environ["GLOO_SOCKET_IFNAME"] = distcourse.hardware.loopback_interface()
+    os.environ["GLOO_SOCKET_IFNAME"] = distcourse.runtime.hardware.loopback_interface()
 
     # The first launch in a process also starts the fork server (one interpreter
     # that imports torch). A notebook pays that once per kernel, so it is timed

@@ -373,6 +373,10 @@ def main() -> int:
     p.add_argument("--chapter", help="chapter number (default: the digits the work file's name starts with)")
     p = sub.add_parser("sync", help="copy the English code cells into every translation")
     p.add_argument("paths", nargs="*", type=pathlib.Path)
+    p = sub.add_parser("mark-current", help="record that translations already follow the current English prose "
+                       "(after editing English and every translation in the same change)")
+    p.add_argument("chapter", help="chapter number, e.g. 03")
+    p.add_argument("langs", nargs="*", help="default: every translation")
     p = sub.add_parser("figure-texts", help="print a figure-text catalog template (YAML) for a language")
     p.add_argument("lang", choices=TRANSLATED)
     p = sub.add_parser("status", help="chapter x language: current, behind or missing")
@@ -400,8 +404,17 @@ def main() -> int:
         for path in paths:
             if sync(path.resolve()):
                 print(f"updated {path.resolve().relative_to(ROOT)}")
+    elif args.command == "mark-current":
+        english_path = chapter(args.chapter)
+        now = prose_fingerprint(read(english_path))
+        for lang in args.langs or TRANSLATED:
+            path = translation_of(english_path, lang)
+            nb = read(path)
+            nb.metadata.setdefault("distcourse", {}).setdefault("translation", {})["english_prose"] = now
+            write(nb, path)
+            print(f"{path.relative_to(ROOT)}: translated from English prose {now}")
     elif args.command == "figure-texts":
-        from distcourse import i18n
+        from distcourse.runtime import i18n
 
         try:
             have = i18n.catalog(args.lang)

@@ -3,13 +3,13 @@
 Notebooks call it to start real multi-process runs; see :func:`launch`.
 """
 
-from . import vision_compat
+from .runtime import vision_compat
 
 vision_compat.install()  # before anything imports torchvision; see vision_compat.py
 
-from .hardware import cpu_cores, describe_machine, gpu_count, plan, rank_device  # noqa: E402
-from .i18n import language, set_language, tr  # noqa: E402
-from .launcher import LaunchError, LaunchTimeout, RankFailed, Results, launch, warm_up  # noqa: E402
+from .runtime.hardware import cpu_cores, describe_machine, gpu_count, plan, rank_device  # noqa: E402
+from .runtime.i18n import language, set_language, tr  # noqa: E402
+from .runtime.launcher import LaunchError, LaunchTimeout, RankFailed, Results, launch, warm_up  # noqa: E402
 
 __version__ = "0.1.0"
 __all__ = [

@@ -31,7 +31,7 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
 
-from .hardware import rank_device
+from .runtime.hardware import rank_device
 
 # --------------------------------------------------------------------------------------
 # 1. Writing and reading checkpoint files

@@ -21,7 +21,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from .hardware import rank_device
+from .runtime.hardware import rank_device
 
 
 def _start(numel: int | None = None) -> torch.Tensor:

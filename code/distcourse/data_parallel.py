@@ -31,7 +31,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
-from .hardware import gpu_count, rank_device
+from .runtime.hardware import gpu_count, rank_device
 
 
 # --- models and data ------------------------------------------------------------------

@@ -35,7 +35,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 from torch.utils.data import DistributedSampler
 
 from .data_parallel import mlp, params_of
-from .hardware import rank_device
+from .runtime.hardware import rank_device
 
 
 def wrap(model: nn.Module, **ddp_kwargs) -> DDP:

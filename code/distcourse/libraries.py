@@ -27,8 +27,8 @@ import torch.distributed as dist
 from torch import nn
 from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
 
-from . import hardware
-from .hardware import rank_device
+from .runtime import hardware
+from .runtime.hardware import rank_device
 
 BATCH = 32  # samples per rank per step
 LR = 1e-2

@@ -27,7 +27,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from .data_parallel import digits_batch
-from .hardware import gpu_count, rank_device
+from .runtime.hardware import gpu_count, rank_device
 
 # --------------------------------------------------------------------------------------
 # 1. A model in two stages, and the same model split over two devices

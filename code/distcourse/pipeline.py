@@ -22,7 +22,7 @@ from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_
 from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from .hardware import rank_device
+from .runtime.hardware import rank_device
 from .model_parallel import clock, two_stage_model
 
 SCHEDULES = {"GPipe": ScheduleGPipe, "1F1B": Schedule1F1B}

@@ -21,7 +21,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from .hardware import rank_device
+from .runtime.hardware import rank_device
 
 # Bytes per parameter for Adam. Mixed precision (ZeRO paper): 16-bit weights and gradients
 # for the forward and backward pass, and in the optimizer an fp32 master copy of the weights

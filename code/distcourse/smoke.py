@@ -5,7 +5,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from .hardware import rank_device
+from .runtime.hardware import rank_device
 
 
 def ddp_step(seed: int = 0, batch_size: int = 8):

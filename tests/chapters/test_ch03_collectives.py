@@ -5,7 +5,8 @@ import pytest
 import torch
 
 import distcourse
-from distcourse import checks03, collectives
+from distcourse.exercises import ch03
+from distcourse import collectives
 
 
 def test_ranks_map_onto_two_nodes_of_two_gpus(no_leftovers):
@@ -93,19 +94,19 @@ def test_simulated_ring_sums_in_both_directions(n):
 
 def test_self_check_rejects_wrong_answers_and_accepts_right_ones(capsys):
     stub = lambda rank, step, n: None  # noqa: E731  (the notebook's starting point)
-    assert checks03.check_left_ring(stub, stub) is False
+    assert ch03.check_left_ring(stub, stub) is False
     assert "Not yet" in capsys.readouterr().out
     # The chapter's rightward schedule is right for 2 ranks but wrong for a leftward ring of 3.
-    assert checks03.check_left_ring(collectives.reduce_scatter_chunk, collectives.all_gather_chunk) is False
+    assert ch03.check_left_ring(collectives.reduce_scatter_chunk, collectives.all_gather_chunk) is False
     assert "n=3" in capsys.readouterr().out
-    assert checks03.check_left_ring(lambda r, s, n: (r + s) % n, lambda r, s, n: (r + s) % n) is False
-    assert checks03.check_left_ring(lambda r, s, n: (r + s) % n, lambda r, s, n: r + s) is False  # index >= n
+    assert ch03.check_left_ring(lambda r, s, n: (r + s) % n, lambda r, s, n: (r + s) % n) is False
+    assert ch03.check_left_ring(lambda r, s, n: (r + s) % n, lambda r, s, n: r + s) is False  # index >= n
     capsys.readouterr()
-    assert checks03.check_left_ring(lambda r, s, n: (r + s) % n, lambda r, s, n: (r - 1 + s) % n) is True
+    assert ch03.check_left_ring(lambda r, s, n: (r + s) % n, lambda r, s, n: (r - 1 + s) % n) is True
     assert "Correct" in capsys.readouterr().out
     # Integer types other than int are fine (numpy), floats are not.
-    assert checks03.check_left_ring(lambda r, s, n: np.int64((r + s) % n), lambda r, s, n: (r - 1 + s) % n) is True
-    assert checks03.check_left_ring(lambda r, s, n: float((r + s) % n), lambda r, s, n: (r - 1 + s) % n) is False
+    assert ch03.check_left_ring(lambda r, s, n: np.int64((r + s) % n), lambda r, s, n: (r - 1 + s) % n) is True
+    assert ch03.check_left_ring(lambda r, s, n: float((r + s) % n), lambda r, s, n: (r - 1 + s) % n) is False
 
 
 def test_markdown_helpers():

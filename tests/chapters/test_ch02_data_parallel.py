@@ -5,7 +5,7 @@ import torch
 from torch import nn
 
 import distcourse
-from distcourse import checks02
+from distcourse.exercises import ch02
 from distcourse import data_parallel as dp
 
 
@@ -116,15 +116,15 @@ def test_combined_moments_are_the_full_batch_moments():
 
 
 def test_self_check_rejects_wrong_answers_and_accepts_the_right_one(capsys):
-    assert checks02.check_weighted_reduce(None) is False
-    assert checks02.check_weighted_reduce(lambda replicas, sizes: None) is False
+    assert ch02.check_weighted_reduce(None) is False
+    assert ch02.check_weighted_reduce(lambda replicas, sizes: None) is False
     assert "replicas differ" in capsys.readouterr().out
-    assert checks02.check_weighted_reduce(lambda replicas, sizes: dp.average_gradients(replicas)) is False
+    assert ch02.check_weighted_reduce(lambda replicas, sizes: dp.average_gradients(replicas)) is False
     assert "share of the batch" in capsys.readouterr().out
 
     def raises(replicas, sizes):
         raise KeyError("oops")
 
-    assert checks02.check_weighted_reduce(raises) is False
+    assert ch02.check_weighted_reduce(raises) is False
     assert "KeyError" in capsys.readouterr().out
-    assert checks02.check_weighted_reduce(weighted_reduce) is True
+    assert ch02.check_weighted_reduce(weighted_reduce) is True

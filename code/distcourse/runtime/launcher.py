@@ -43,10 +43,11 @@ from multiprocessing.connection import Connection, wait
 import torch.multiprocessing as mp
 import torch.distributed as dist
 
-from . import _worker, hardware
+from . import hardware
+from .rank import run_rank
 
 # torch._dynamo: optimizers and FSDP import it (~1 s per rank otherwise); importing starts nothing.
-_PRELOAD = ["torch", "torch.distributed", "torch._dynamo", "distcourse", "distcourse._worker"]
+_PRELOAD = ["torch", "torch.distributed", "torch._dynamo", "distcourse", "distcourse.runtime.rank"]
 _live: set = set()  # processes of launches in progress, killed at interpreter exit
 
 
@@ -245,7 +246,7 @@ def launch(
             read_fd, write_fd = os.pipe()
             output = Connection(write_fd, readable=False)
             p = ctx.Process(
-                target=_worker.run_rank, args=(rank, task, child_end, output), name=f"rank{rank}", daemon=True
+                target=run_rank, args=(rank, task, child_end, output), name=f"rank{rank}", daemon=True
             )
             p.start()
             _live.add(p)

@@ -10,7 +10,7 @@ import contextlib
 import io
 import shlex
 
-from .checks import verdict
+from . import verdict
 
 # (node_rank, local_rank, nproc_per_node) -> global rank, as torchrun numbers workers
 # when every node runs the same number of them.

@@ -33,7 +33,7 @@ import subprocess
 import yaml
 
 LANGUAGES = ("en", "ru", "zh-CN", "zh-TW", "pt-BR", "ko")
-LOCALE_DIR = pathlib.Path(__file__).with_name("locale")
+LOCALE_DIR = pathlib.Path(__file__).resolve().parents[1] / "locale"
 CJK_FONTS = {  # preferred family first; any of them draws the glyphs
     "zh-CN": ["Noto Sans CJK SC", "Source Han Sans SC", "Microsoft YaHei", "PingFang SC", "WenQuanYi Zen Hei", "SimHei"],
     "zh-TW": ["Noto Sans CJK TC", "Source Han Sans TC", "Microsoft JhengHei", "PingFang TC", "WenQuanYi Zen Hei"],

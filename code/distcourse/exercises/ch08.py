@@ -8,7 +8,7 @@ Activations and buffers are left out, as in the chapter.
 
 from __future__ import annotations
 
-from .sharding import MIXED_ADAM, zero_bytes
+from ..sharding import MIXED_ADAM, zero_bytes
 
 # (GPU memory in bytes, number of GPUs, ZeRO stage)
 CASES = [

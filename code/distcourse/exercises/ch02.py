@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import torch
 
-from . import data_parallel as dp
-from .checks import verdict
+from .. import data_parallel as dp
+from . import verdict
 
 
 def check_weighted_reduce(reduce) -> bool:

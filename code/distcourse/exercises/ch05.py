@@ -14,8 +14,8 @@ import tempfile
 
 import torch
 
-from .checkpoints import load_checkpoint
-from .checks import verdict
+from ..checkpoints import load_checkpoint
+from . import verdict
 
 
 class _FailsWhileSaving:

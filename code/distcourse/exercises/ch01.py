@@ -1,17 +1,9 @@
-"""Self-checks for the exercises: each prints a verdict and returns True/False."""
+"""Chapter 01 exercise: per-worker seeding of random augmentation."""
 
 from __future__ import annotations
 
-from . import data
-
-
-def verdict(problems: list[str], success: str) -> bool:
-    """Print what is still wrong (or the success message); True when nothing is."""
-    if problems:
-        print("Not yet:\n  - " + "\n  - ".join(problems))
-        return False
-    print(success)
-    return True
+from .. import dataloaders as data
+from . import verdict
 
 
 def check_worker_init_fn(worker_init_fn) -> bool:

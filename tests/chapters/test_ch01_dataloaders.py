@@ -2,7 +2,8 @@
 
 import torch
 
-from distcourse import checks, data
+from distcourse import dataloaders as data
+from distcourse.exercises import ch01
 
 
 def test_batches_go_to_workers_in_turn():
@@ -25,12 +26,12 @@ def test_self_check_rejects_wrong_answers_and_accepts_the_right_one(capsys):
         info = torch.utils.data.get_worker_info()
         info.dataset.rng = __import__("numpy").random.default_rng(1000 + worker_id)
 
-    assert checks.check_worker_init_fn(None) is False
-    assert checks.check_worker_init_fn(lambda worker_id: None) is False
-    assert checks.check_worker_init_fn(seeds_everything_the_same) is False
-    assert checks.check_worker_init_fn(ignores_the_seed) is False
+    assert ch01.check_worker_init_fn(None) is False
+    assert ch01.check_worker_init_fn(lambda worker_id: None) is False
+    assert ch01.check_worker_init_fn(seeds_everything_the_same) is False
+    assert ch01.check_worker_init_fn(ignores_the_seed) is False
     assert "seed is ignored" in capsys.readouterr().out
-    assert checks.check_worker_init_fn(data.reseed_worker) is True
+    assert ch01.check_worker_init_fn(data.reseed_worker) is True
 
 
 def test_missing_or_bad_dataset_paths_give_clear_errors(tmp_path):

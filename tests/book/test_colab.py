@@ -21,8 +21,7 @@ import nbformat
 import pytest
 from nbclient import NotebookClient
 
-ROOT = pathlib.Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT / "tools"))
+ROOT = pathlib.Path(__file__).resolve().parents[2]
 import headers  # noqa: E402
 
 FIRST_CHAPTERS = [

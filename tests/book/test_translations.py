@@ -15,12 +15,10 @@ import nbformat
 import pytest
 import yaml
 
-ROOT = pathlib.Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT / "tools"))
-sys.path.insert(0, str(ROOT / "code"))
+ROOT = pathlib.Path(__file__).resolve().parents[2]
 import headers  # noqa: E402
 import translations  # noqa: E402
-from distcourse import i18n  # noqa: E402
+from distcourse.runtime import i18n  # noqa: E402
 
 ENGLISH = translations.english_chapters(ROOT)
 PAIRS = [(en, lang) for lang in translations.TRANSLATED for en in ENGLISH]

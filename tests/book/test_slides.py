@@ -16,8 +16,7 @@ import sys
 import nbformat
 import pytest
 
-ROOT = pathlib.Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT / "tools"))
+ROOT = pathlib.Path(__file__).resolve().parents[2]
 import build_slides  # noqa: E402
 import headers  # noqa: E402
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import torch
 
-from .collectives import simulate_ring
+from ..collectives import simulate_ring
 
 
 def check_left_ring(reduce_scatter_chunk, all_gather_chunk) -> bool:

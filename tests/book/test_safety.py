@@ -13,7 +13,7 @@ import re
 import nbformat
 import pytest
 
-ROOT = pathlib.Path(__file__).resolve().parents[1]
+ROOT = pathlib.Path(__file__).resolve().parents[2]
 PY_FILES = sorted(
     p for folder in ("code", "tools", "tests", "benchmarks") for p in (ROOT / folder).rglob("*.py")
 )

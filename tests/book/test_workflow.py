@@ -5,7 +5,7 @@ import re
 
 import yaml
 
-ROOT = pathlib.Path(__file__).resolve().parents[1]
+ROOT = pathlib.Path(__file__).resolve().parents[2]
 
 
 def readme_commands() -> list[str]:

@@ -8,9 +8,10 @@ import torch
 import torch.nn.functional as F
 
 import distcourse
-from distcourse import checks06, pipeline
+from distcourse.exercises import ch06
+from distcourse import pipeline
 from distcourse import data_parallel as dp
-from distcourse import model_parallel as mp
+from distcourse import model_parallel
 
 matplotlib.use("Agg")
 
@@ -27,7 +28,7 @@ def one_f_one_b(stage, p, m):
 
 
 def reference_grads(model_kwargs, x, y):
-    whole = mp.two_stage_model(**{**model_kwargs, "work": 0.0})
+    whole = model_parallel.two_stage_model(**{**model_kwargs, "work": 0.0})
     loss = F.cross_entropy(whole(x), y)
     loss.backward()
     return loss.item(), dict(whole.named_parameters())
@@ -37,15 +38,15 @@ def reference_grads(model_kwargs, x, y):
 
 
 def test_same_seed_same_model_and_stages_are_slices():
-    a, b = mp.two_stage_model(width=16, depth=3, seed=4), mp.two_stage_model(width=16, depth=3, seed=4)
+    a, b = model_parallel.two_stage_model(width=16, depth=3, seed=4), model_parallel.two_stage_model(width=16, depth=3, seed=4)
     assert all(torch.equal(p, q) for p, q in zip(a.parameters(), b.parameters()))
-    assert not torch.equal(a[0][0].weight, mp.two_stage_model(width=16, depth=3, seed=5)[0][0].weight)
-    works = [m for m in mp.two_stage_model(work=(0.2, 0.1)).modules() if isinstance(m, mp.Work)]
+    assert not torch.equal(a[0][0].weight, model_parallel.two_stage_model(width=16, depth=3, seed=5)[0][0].weight)
+    works = [m for m in model_parallel.two_stage_model(work=(0.2, 0.1)).modules() if isinstance(m, model_parallel.Work)]
     assert [w.seconds_per_sample for w in works] == [0.2, 0.1]
 
 
 def test_split_model_equals_the_whole_model():
-    result = mp.split_vs_whole(batch_size=32, width=16, depth=2)
+    result = model_parallel.split_vs_whole(batch_size=32, width=16, depth=2)
     assert result["max_output_diff"] <= 1e-6 and result["max_grad_diff"] <= 1e-6
     assert result["activation_shape"] == (32, 16)
     assert len(result["devices"]) == 2 and result["output_device"] == result["devices"][1]
@@ -55,7 +56,7 @@ def test_split_model_equals_the_whole_model():
 
 def test_work_sleeps_twice_as_long_backward_and_is_an_identity():
     x = torch.randn(10, 3, requires_grad=True)
-    work = mp.Work(0.002)  # 20 ms forward, 40 ms backward for 10 samples
+    work = model_parallel.Work(0.002)  # 20 ms forward, 40 ms backward for 10 samples
     start = time.perf_counter()
     out = work(x)
     forward = time.perf_counter() - start
@@ -64,7 +65,7 @@ def test_work_sleeps_twice_as_long_backward_and_is_an_identity():
     backward = time.perf_counter() - start
     assert torch.equal(out, x) and torch.equal(x.grad, torch.ones_like(x))
     assert 0.019 < forward and 0.039 < backward
-    assert mp.Work(0.0)(x) is x
+    assert model_parallel.Work(0.0)(x) is x
 
 
 # --- 3. schedules on paper ----------------------------------------------------------------
@@ -73,14 +74,14 @@ def test_work_sleeps_twice_as_long_backward_and_is_an_identity():
 @pytest.mark.parametrize("p", [2, 3, 5])
 @pytest.mark.parametrize("m", [1, 2, 7])
 def test_simulated_gpipe_has_the_predicted_bubble(p, m):
-    events = mp.simulate([mp.gpipe_order(s, p, m) for s in range(p)], forward=1, backward=2)
-    assert mp.step_seconds(events) == (m + p - 1) * 3
-    assert all(abs(b - mp.predicted_bubble(p, m)) < 1e-12 for b in mp.bubble_fractions(events))
-    assert all(mp.peak_in_flight(e) == m for e in events)
+    events = model_parallel.simulate([model_parallel.gpipe_order(s, p, m) for s in range(p)], forward=1, backward=2)
+    assert model_parallel.step_seconds(events) == (m + p - 1) * 3
+    assert all(abs(b - model_parallel.predicted_bubble(p, m)) < 1e-12 for b in model_parallel.bubble_fractions(events))
+    assert all(model_parallel.peak_in_flight(e) == m for e in events)
 
 
 def test_simulate_follows_dependencies_and_unequal_costs():
-    events = mp.simulate([mp.gpipe_order(s, 2, 2) for s in range(2)], forward=[2, 1], backward=[4, 2])
+    events = model_parallel.simulate([model_parallel.gpipe_order(s, 2, 2) for s in range(2)], forward=[2, 1], backward=[4, 2])
     (s0, s1) = events
     assert [e[2:] for e in s0] == [(0, 2), (2, 4), (7, 11), (11, 15)]
     assert [e[2:] for e in s1] == [(2, 3), (4, 5), (5, 7), (7, 9)]
@@ -88,30 +89,30 @@ def test_simulate_follows_dependencies_and_unequal_costs():
 
 def test_simulate_rejects_bad_orders():
     with pytest.raises(ValueError, match="deadlocks"):
-        mp.simulate([[("B", 0), ("F", 0)], [("F", 0), ("B", 0)]])
+        model_parallel.simulate([[("B", 0), ("F", 0)], [("F", 0), ("B", 0)]])
     with pytest.raises(ValueError, match="exactly one"):
-        mp.simulate([[("F", 0), ("B", 0)], [("F", 0)]])
+        model_parallel.simulate([[("F", 0), ("B", 0)], [("F", 0)]])
     with pytest.raises(ValueError, match="no forward"):
-        mp.simulate([[], []])
+        model_parallel.simulate([[], []])
 
 
 def test_bubble_overlap_and_in_flight_of_handmade_events():
     stage0 = [("F", 0, 0.0, 1.0), ("F", 1, 1.0, 2.0), ("B", 0, 3.0, 4.0), ("B", 1, 4.0, 5.0)]
     stage1 = [("F", 0, 1.0, 2.0), ("B", 0, 2.0, 3.0), ("F", 1, 3.0, 4.0), ("B", 1, 4.0, 4.5)]
-    assert mp.bubble_fractions([stage0, stage1]) == pytest.approx([0.2, 0.3])
-    assert mp.overlap(stage0, stage1) == pytest.approx(2.5)
-    assert mp.peak_in_flight(stage0) == 2 and mp.peak_in_flight(stage1) == 1
-    assert mp.step_seconds([stage0, stage1]) == 5.0
+    assert model_parallel.bubble_fractions([stage0, stage1]) == pytest.approx([0.2, 0.3])
+    assert model_parallel.overlap(stage0, stage1) == pytest.approx(2.5)
+    assert model_parallel.peak_in_flight(stage0) == 2 and model_parallel.peak_in_flight(stage1) == 1
+    assert model_parallel.step_seconds([stage0, stage1]) == 5.0
 
 
 def test_plot_schedule_draws_one_bar_per_event():
     import matplotlib.pyplot as plt
 
-    events = mp.simulate([mp.gpipe_order(s, 2, 3) for s in range(2)])
+    events = model_parallel.simulate([model_parallel.gpipe_order(s, 2, 3) for s in range(2)])
     fig, ax = plt.subplots()
-    mp.plot_schedule(ax, events, "test", unit=1)
+    model_parallel.plot_schedule(ax, events, "test", unit=1)
     assert len(ax.collections) == 12
-    assert ax.get_xlim()[1] >= mp.step_seconds(events)
+    assert ax.get_xlim()[1] >= model_parallel.step_seconds(events)
     plt.close(fig)
 
 
@@ -122,15 +123,15 @@ def test_plot_schedule_draws_one_bar_per_event():
 def test_hand_written_pipeline_gives_the_full_batch_gradient():
     x, y = dp.digits_batch(10)  # 3 micro-batches of 4, 3 and 3 samples: the weighting matters
     model_kwargs = {"width": 16, "depth": 2}
-    results = distcourse.launch(mp.pipeline_run, 2, args=(model_kwargs, x, y, [1, 3]), kwargs={"repeats": 1},
+    results = distcourse.launch(model_parallel.pipeline_run, 2, args=(model_kwargs, x, y, [1, 3]), kwargs={"repeats": 1},
                                 backend="gloo", quiet=True)
     loss, expected = reference_grads(model_kwargs, x, y)
     for m in (1, 3):
-        grads = mp.stage_grads(results, m)
+        grads = model_parallel.stage_grads(results, m)
         assert max((g - p.grad).abs().max().item() for g, p in zip(grads, expected.values())) < 1e-6
         assert results[0][m]["loss"] is None and abs(results[1][m]["loss"] - loss) < 1e-6
-        (step,) = mp.stage_steps(results, m)
-        assert [[e[:2] for e in events] for events in step] == [mp.gpipe_order(s, 2, m) for s in range(2)]
+        (step,) = model_parallel.stage_steps(results, m)
+        assert [[e[:2] for e in events] for events in step] == [model_parallel.gpipe_order(s, 2, m) for s in range(2)]
         assert all(start <= end for events in step for *_, start, end in events)
 
 
@@ -145,10 +146,10 @@ def test_torch_schedules_match_the_unsplit_model(schedule):
     assert grads.keys() == expected.keys()
     assert max((grads[k] - p.grad).abs().max().item() for k, p in expected.items()) < 1e-5
     assert abs(sum(run[1]["losses"]) / 4 - loss) < 1e-5
-    in_flight = [mp.peak_in_flight(r["events"]) for r in run]
+    in_flight = [model_parallel.peak_in_flight(r["events"]) for r in run]
     assert in_flight == ([4, 4] if schedule == "GPipe" else [2, 1])
     orders = [[e[:2] for e in r["events"]] for r in run]
-    assert orders == [(mp.gpipe_order if schedule == "GPipe" else one_f_one_b)(s, 2, 4) for s in range(2)]
+    assert orders == [(model_parallel.gpipe_order if schedule == "GPipe" else one_f_one_b)(s, 2, 4) for s in range(2)]
 
 
 @pytest.mark.usefixtures("no_leftovers")
@@ -156,7 +157,7 @@ def test_two_replicas_of_a_pipeline_take_the_full_batch_step():
     x, y = dp.digits_batch(32)
     grid = distcourse.launch(pipeline.ddp_pipeline_step, 4, args=({"width": 16, "depth": 2}, x, y, 2),
                              kwargs={"lr": 0.5}, backend="gloo", quiet=True)
-    trained, _, loss = dp.full_batch_step(mp.two_stage_model(width=16, depth=2), x, y, lr=0.5)
+    trained, _, loss = dp.full_batch_step(model_parallel.two_stage_model(width=16, depth=2), x, y, lr=0.5)
     expected = dict(trained.named_parameters())
     assert [(g["replica"], g["stage"]) for g in grid] == [(0, 0), (0, 1), (1, 0), (1, 1)]
     assert [g["dp_group"] for g in grid] == [[0, 2], [1, 3], [0, 2], [1, 3]]
@@ -172,24 +173,24 @@ def test_two_replicas_of_a_pipeline_take_the_full_batch_step():
 
 
 def test_self_check_rejects_wrong_answers_and_accepts_the_right_one(capsys):
-    assert checks06.check_one_f_one_b(lambda stage, p, m: []) is False
+    assert ch06.check_one_f_one_b(lambda stage, p, m: []) is False
     assert "exactly one" in capsys.readouterr().out
-    assert checks06.check_one_f_one_b(lambda stage, p, m: None) is False
-    assert checks06.check_one_f_one_b(mp.gpipe_order) is False  # right result, too much memory
+    assert ch06.check_one_f_one_b(lambda stage, p, m: None) is False
+    assert ch06.check_one_f_one_b(model_parallel.gpipe_order) is False  # right result, too much memory
     assert "at most p - s" in capsys.readouterr().out
     one_at_a_time = lambda stage, p, m: [a for i in range(m) for a in (("F", i), ("B", i))]  # noqa: E731
-    assert checks06.check_one_f_one_b(one_at_a_time) is False  # little memory, no pipelining
+    assert ch06.check_one_f_one_b(one_at_a_time) is False  # little memory, no pipelining
     assert "GPipe only" in capsys.readouterr().out
     backwards_first = lambda stage, p, m: [("B", i) for i in range(m)] + [("F", i) for i in range(m)]  # noqa: E731
-    assert checks06.check_one_f_one_b(backwards_first) is False
+    assert ch06.check_one_f_one_b(backwards_first) is False
     assert "deadlocks" in capsys.readouterr().out
 
     def raises(stage, p, m):
         raise KeyError("oops")
 
-    assert checks06.check_one_f_one_b(raises) is False
+    assert ch06.check_one_f_one_b(raises) is False
     assert "KeyError" in capsys.readouterr().out
-    assert checks06.check_one_f_one_b(one_f_one_b) is True
+    assert ch06.check_one_f_one_b(one_f_one_b) is True
     # Only p=2 hard-coded (section 4's printed order) is not general enough.
     torch_order = {0: [("F", 0), ("F", 1), ("B", 0), ("F", 2), ("B", 1), ("F", 3), ("B", 2), ("B", 3)]}
-    assert checks06.check_one_f_one_b(lambda stage, p, m: torch_order.get(stage, one_f_one_b(stage, p, m))) is False
+    assert ch06.check_one_f_one_b(lambda stage, p, m: torch_order.get(stage, one_f_one_b(stage, p, m))) is False

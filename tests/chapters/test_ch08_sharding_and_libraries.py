@@ -3,7 +3,8 @@
 import pytest
 
 import distcourse
-from distcourse import checks08, libraries, sharding
+from distcourse.exercises import ch08
+from distcourse import libraries, sharding
 
 GB = 1e9
 
@@ -50,18 +51,18 @@ def right(gpu_bytes, world_size, stage):
 
 
 def test_self_check_rejects_wrong_answers_and_accepts_the_right_one(capsys):
-    assert checks08.check_max_params(lambda g, n, s: None) is False
+    assert ch08.check_max_params(lambda g, n, s: None) is False
     assert "Not yet" in capsys.readouterr().out
-    assert checks08.check_max_params(lambda g, n, s: int(g * n // 16)) is False  # everything sharded
+    assert ch08.check_max_params(lambda g, n, s: int(g * n // 16)) is False  # everything sharded
     assert "stage 0" in capsys.readouterr().out
-    assert checks08.check_max_params(lambda g, n, s: right(g, n, min(s, 1))) is False  # forgets stages 2, 3
+    assert ch08.check_max_params(lambda g, n, s: right(g, n, min(s, 1))) is False  # forgets stages 2, 3
     assert "stage 2" in capsys.readouterr().out
-    assert checks08.check_max_params(lambda g, n, s: right(g, n, s) + 1) is False  # one too many
-    assert checks08.check_max_params(lambda g, n, s: right(g, n, s) / 1) is False  # a float
+    assert ch08.check_max_params(lambda g, n, s: right(g, n, s) + 1) is False  # one too many
+    assert ch08.check_max_params(lambda g, n, s: right(g, n, s) / 1) is False  # a float
     assert "whole number" in capsys.readouterr().out
-    assert checks08.check_max_params(lambda g, n, s: 1 // 0) is False
+    assert ch08.check_max_params(lambda g, n, s: 1 // 0) is False
     assert "raised" in capsys.readouterr().out
-    assert checks08.check_max_params(right) is True
+    assert ch08.check_max_params(right) is True
     assert "Correct" in capsys.readouterr().out
 
 

@@ -11,8 +11,7 @@ import sys
 import nbformat
 import pytest
 
-ROOT = pathlib.Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT / "tools"))
+ROOT = pathlib.Path(__file__).resolve().parents[2]
 import headers  # noqa: E402
 
 NOTEBOOKS = headers.notebooks(ROOT)

@@ -10,7 +10,8 @@ import pytest
 import torch
 
 import distcourse
-from distcourse import checkpoints, checks05
+from distcourse import checkpoints
+from distcourse.exercises import ch05
 
 
 @pytest.fixture
@@ -242,15 +243,15 @@ def no_cleanup(obj, path):
 
 
 def test_self_check_rejects_wrong_answers_and_accepts_the_right_one(capsys):
-    assert checks05.check_atomic_save(lambda obj, path: None) is False
+    assert ch05.check_atomic_save(lambda obj, path: None) is False
     assert "Not yet" in capsys.readouterr().out
-    assert checks05.check_atomic_save(naive_save) is False
+    assert ch05.check_atomic_save(naive_save) is False
     assert "destroyed the previous checkpoint" in capsys.readouterr().out
-    assert checks05.check_atomic_save(no_fsync) is False
+    assert ch05.check_atomic_save(no_fsync) is False
     assert "no os.fsync" in capsys.readouterr().out
-    assert checks05.check_atomic_save(elsewhere) is False
+    assert ch05.check_atomic_save(elsewhere) is False
     assert "same directory" in capsys.readouterr().out
-    assert checks05.check_atomic_save(no_cleanup) is False
+    assert ch05.check_atomic_save(no_cleanup) is False
     assert "left behind" in capsys.readouterr().out
-    assert checks05.check_atomic_save(checkpoints.atomic_save) is True
+    assert ch05.check_atomic_save(checkpoints.atomic_save) is True
     assert "Correct" in capsys.readouterr().out

@@ -10,7 +10,7 @@ early as GPipe.
 
 from __future__ import annotations
 
-from .model_parallel import check_order, gpipe_order, peak_in_flight, simulate, step_seconds
+from ..model_parallel import check_order, gpipe_order, peak_in_flight, simulate, step_seconds
 
 CASES = [(p, m) for p in (2, 3, 4) for m in sorted({p, p + 1, 2 * p, 8})]
 

@@ -16,7 +16,7 @@ assert out.shape == (3, 32, 32) and out.max() <= 1
 boxes = torch.tensor([[0, 0, 10, 10], [1, 1, 11, 11], [20, 20, 30, 30.0]])
 keep = torch.ops.torchvision.nms(boxes, torch.tensor([0.9, 0.8, 0.7]), 0.5)
 assert keep.tolist() == [0, 2], keep
-print(distcourse.vision_compat.STATUS)
+print(distcourse.runtime.vision_compat.STATUS)
 """
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
     assert result.returncode == 0, result.stderr

@@ -19,7 +19,8 @@ import psutil
 import pytest
 import torch
 
-from distcourse import checkpoints, checks07, train
+from distcourse.exercises import ch07
+from distcourse import checkpoints, train
 from distcourse import torchrun_tools as tt
 
 CODE = pathlib.Path(train.__file__).parent
@@ -220,19 +221,19 @@ def test_slurm_script_follows_the_head_node():
 
 
 def test_global_rank_check_rejects_wrong_and_accepts_right(capsys):
-    assert checks07.check_global_rank(lambda node, local, nproc: None) is False
+    assert ch07.check_global_rank(lambda node, local, nproc: None) is False
     assert "Not yet" in capsys.readouterr().out
-    assert checks07.check_global_rank(lambda node, local, nproc: local * nproc + node) is False
-    assert checks07.check_global_rank(lambda node, local, nproc: node + local) is False
-    assert checks07.check_global_rank(lambda node, local, nproc: node * nproc + local) is True
+    assert ch07.check_global_rank(lambda node, local, nproc: local * nproc + node) is False
+    assert ch07.check_global_rank(lambda node, local, nproc: node + local) is False
+    assert ch07.check_global_rank(lambda node, local, nproc: node * nproc + local) is True
     assert "Correct" in capsys.readouterr().out
 
 
 def test_torchrun_command_check_rejects_wrong_and_accepts_right(capsys):
     right = ("torchrun --nnodes=4 --nproc-per-node=8 --rdzv-id=777 --rdzv-backend=c10d "
              "--rdzv-endpoint=gpu-node-01:29500 -m distcourse.train")
-    assert checks07.check_torchrun_command(right) is True
-    assert checks07.check_torchrun_command(right.replace("--nproc-per-node=8", "--nproc_per_node 8") + " --steps 5")
+    assert ch07.check_torchrun_command(right) is True
+    assert ch07.check_torchrun_command(right.replace("--nproc-per-node=8", "--nproc_per_node 8") + " --steps 5")
     wrong = [
         "",
         "python train.py",
@@ -245,7 +246,7 @@ def test_torchrun_command_check_rejects_wrong_and_accepts_right(capsys):
     ]
     capsys.readouterr()
     for command in wrong:
-        assert checks07.check_torchrun_command(command) is False, command
+        assert ch07.check_torchrun_command(command) is False, command
     assert capsys.readouterr().out.count("Not yet") == len(wrong)
 
 
@@ -254,8 +255,8 @@ def test_notebook_exercise_cells_hold_stubs():
 
     nb = nbformat.read(CODE.parents[1] / "chapters/en/07-torchrun.ipynb", as_version=4)
     code = [c.source for c in nb.cells if c.cell_type == "code"]
-    assert "    pass" in code[-2] and "checks07.check_global_rank(my_global_rank)" in code[-2]
-    assert 'my_command = ""' in code[-1] and "checks07.check_torchrun_command(my_command)" in code[-1]
+    assert "    pass" in code[-2] and "ch07.check_global_rank(my_global_rank)" in code[-2]
+    assert 'my_command = ""' in code[-1] and "ch07.check_torchrun_command(my_command)" in code[-1]
 
 
 # --- slow: multi-node and repeated elastic restarts --------------------------------------

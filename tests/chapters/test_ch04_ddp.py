@@ -8,7 +8,8 @@ import torch
 from torch import nn
 
 import distcourse
-from distcourse import checks04, ddp
+from distcourse.exercises import ch04
+from distcourse import ddp
 from distcourse import data_parallel as dp
 from distcourse.scripts import ddp_spawn_example
 
@@ -165,12 +166,12 @@ def test_self_check_rejects_wrong_answers_and_accepts_the_right_one(capsys):
         n = len(order) // 2
         return order[rank * n : (rank + 1) * n]
 
-    assert checks04.check_shard(lambda *args, **kwargs: None) is False
+    assert ch04.check_shard(lambda *args, **kwargs: None) is False
     assert "returned None" in capsys.readouterr().out
-    assert checks04.check_shard(no_padding) is False
+    assert ch04.check_shard(no_padding) is False
     assert "pad" in capsys.readouterr().out
-    assert checks04.check_shard(ignores_the_epoch) is False
+    assert ch04.check_shard(ignores_the_epoch) is False
     assert "seed + epoch" in capsys.readouterr().out
-    assert checks04.check_shard(contiguous_blocks) is False
-    assert checks04.check_shard(right_shard) is True
+    assert ch04.check_shard(contiguous_blocks) is False
+    assert ch04.check_shard(right_shard) is True
     assert "Correct" in capsys.readouterr().out

@@ -1,0 +1,15 @@
+"""Self-checks for the chapters' exercises, one module per chapter (``ch01`` ... ``ch08``).
+
+Each check prints a verdict a learner can act on and returns True or False.
+"""
+
+from __future__ import annotations
+
+
+def verdict(problems: list[str], success: str) -> bool:
+    """Print what is still wrong (or the success message); True when nothing is."""
+    if problems:
+        print("Not yet:\n  - " + "\n  - ".join(problems))
+        return False
+    print(success)
+    return True
