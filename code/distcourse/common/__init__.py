@@ -1,0 +1,1 @@
+"""Building blocks that several chapters share: models, datasets, the training step, timing."""

@@ -1,0 +1,1 @@
+"""The machinery a learner never needs to read: starting ranks, hardware, language, torchvision."""

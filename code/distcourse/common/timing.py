@@ -1,0 +1,73 @@
+"""Reading a clock around work that may run asynchronously on a GPU.
+
+GPU kernels are queued on a *stream* and run later, so ``time.perf_counter()``
+alone measures how fast work was queued. The fix is to wait before reading the
+clock, but wait for the right thing:
+
+* ``torch.cuda.synchronize()`` waits for **every** stream of the device. NCCL runs
+  its communication on streams of its own, so in a pipeline that posted its
+  ``irecv``s up front, a device-wide synchronize also waits for messages that have
+  not been sent yet: the timer then measures someone else's schedule.
+* ``torch.cuda.current_stream(device).synchronize()`` waits only for the compute
+  queued on this rank's current stream. That is what ``wait_for_compute`` does.
+
+On CPU everything is synchronous and both functions only read the clock.
+"""
+
+from __future__ import annotations
+
+import time
+
+import torch
+
+
+def wait_for_compute(device: torch.device | str | None = None) -> None:
+    """Wait until the compute already queued on ``device``'s current stream has run."""
+    device = torch.device(device) if device is not None else None
+    if device is not None and device.type == "cuda":
+        torch.cuda.current_stream(device).synchronize()
+    elif device is not None and device.type not in ("cpu", "meta"):
+        accelerator = getattr(torch, device.type, None)  # xpu, mps...: same idea, their own module
+        if accelerator is not None and hasattr(accelerator, "synchronize"):
+            accelerator.synchronize()
+
+
+def clock(device: torch.device | str | None = None) -> float:
+    """``time.perf_counter()`` after the compute queued on ``device`` has finished."""
+    wait_for_compute(device)
+    return time.perf_counter()
+
+
+class Stopwatch:
+    """Adds up the seconds spent in named phases: ``with watch("backward"): ...``."""
+
+    def __init__(self, device: torch.device | str | None = None):
+        self.device = device
+        self.seconds: dict[str, float] = {}
+
+    def __call__(self, phase: str):
+        return _Phase(self, phase)
+
+
+class _Phase:
+    def __init__(self, watch: Stopwatch, phase: str):
+        self.watch, self.phase = watch, phase
+
+    def __enter__(self):
+        self.start = clock(self.watch.device)
+        return self
+
+    def __exit__(self, *exc):
+        elapsed = clock(self.watch.device) - self.start
+        self.watch.seconds[self.phase] = self.watch.seconds.get(self.phase, 0.0) + elapsed
+        return False
+
+
+def best_of(fn, repeats: int = 3, device: torch.device | str | None = None) -> float:
+    """The fastest of ``repeats`` timed calls of ``fn()`` (the least disturbed by the machine)."""
+    times = []
+    for _ in range(max(1, repeats)):
+        start = clock(device)
+        fn()
+        times.append(clock(device) - start)
+    return min(times)
