@@ -27,7 +27,7 @@ TESTS = os.path.dirname(__file__)
 def test_returns_each_ranks_value_indexed_by_rank():
     results = launch(w.rank_and_sum, 2, quiet=True)
     assert list(results) == [(0, 2, 3.0), (1, 2, 3.0)]
-    assert results.plan.backend == "gloo" or torch.cuda.device_count() >= 2
+    assert results.plan.backend == ("nccl" if torch.cuda.device_count() >= 2 else "gloo")
 
 
 def test_world_size_one_and_three():
@@ -235,3 +235,105 @@ def test_importing_the_package_does_not_initialise_cuda():
     code = "import distcourse, torch; distcourse.plan(1); print(torch.cuda.is_initialized())"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
     assert out.strip() == "False"
+
+
+# --- ranks with children of their own (DataLoader workers, pools, subprocesses) -------------
+
+
+def _all_gone(pids, grace=5.0):
+    deadline = time.monotonic() + grace
+    alive = list(pids)
+    while alive and time.monotonic() < deadline:
+        alive = [pid for pid in alive if psutil.pid_exists(pid) and psutil.Process(pid).status() != "zombie"]
+        time.sleep(0.05)
+    return alive
+
+
+def _recorded_pids(folder):
+    pids = [int(pid) for path in folder.glob("*.pids") for pid in path.read_text().split()]
+    return pids
+
+
+def test_ranks_train_ddp_with_dataloader_workers():
+    results = launch(w.ddp_with_loader_workers, 2, kwargs={"steps": 4, "num_workers": 2}, quiet=True)
+    assert torch.equal(results[0]["params"], results[1]["params"]), "DDP replicas diverged"
+    for r in results:
+        assert len(r["workers"]) == 2 and r["pid"] not in r["workers"], r
+    assert set(results[0]["workers"]).isdisjoint(results[1]["workers"])
+
+
+def test_a_rank_may_run_a_subprocess_and_a_pool():
+    assert launch(w.uses_subprocess_and_pool, 2, quiet=True) == [(42, [1, 2, 3])] * 2
+
+
+@pytest.mark.parametrize("then", ["raise", "hang", "orphan", "interrupt"])
+def test_no_worker_or_grandchild_outlives_the_launch(tmp_path, then):
+    """A failing rank, a timeout, an orphaned grandchild that ignores SIGTERM, an interrupted cell:
+    every DataLoader worker and grandchild the run started is gone afterwards."""
+    kwargs = {"pid_dir": str(tmp_path), "then": "hang" if then == "interrupt" else then}
+    timer = None
+    if then == "interrupt":
+        timer = threading.Timer(4.0, lambda: os.kill(os.getpid(), signal.SIGINT))
+        timer.start()
+    expected = {"raise": RankFailed, "hang": LaunchTimeout, "orphan": RankFailed, "interrupt": KeyboardInterrupt}
+    with pytest.raises(expected[then]):
+        launch(w.ddp_with_loader_workers, 2, kwargs=kwargs, timeout=4 if then == "hang" else 60, quiet=True)
+    if timer:
+        timer.join()
+    recorded = _recorded_pids(tmp_path)
+    assert len(recorded) >= (3 if then == "orphan" else 2), f"the ranks recorded too few children: {recorded}"
+    assert not _all_gone(recorded), "children of ranks outlived the launch"
+
+
+def test_tensors_come_back_through_shared_memory_or_the_pipe():
+    shared = launch(w.big_tensor, 2, args=(4,), quiet=True)
+    piped = launch(w.big_tensor, 2, args=(4,), quiet=True, share_tensors=False)
+    for rank in (0, 1):
+        assert torch.equal(shared[rank], piped[rank]) and shared[rank].numel() == 2**20
+        assert shared[rank][0].item() == rank
+    assert shared[0].is_shared() and not piped[0].is_shared()
+
+
+def test_progress_bar_ends_as_one_line_in_its_final_state(capsys):
+    results = launch(w.progress_bar, 2, args=(30,))
+    out = capsys.readouterr().out
+    bars = [line for line in out.splitlines() if "train:" in line]
+    assert len(bars) == 1 and bars[0].startswith("[rank 0] train: 100%") and "30/30" in bars[0], bars
+    assert "\r" not in out and results.outputs[0].count("train:") == 1
+
+
+def test_live_view_in_jupyter_updates_one_area_then_shows_the_grouped_output(monkeypatch):
+    from distcourse.runtime import output
+
+    shown = []
+    monkeypatch.setattr(output, "_in_jupyter", lambda: True)
+    monkeypatch.setattr(output.RankOutput, "_show", lambda self, text: shown.append(text))
+    view = output.RankOutput(2)
+    view.feed(1, b"hello from 1\n")
+    view.feed(0, b"train:  10%|#\rtrain:  50%|#####")
+    view.refresh(force=True)
+    assert shown[-1] == "[rank 1] hello from 1\n[rank 0] train:  50%|#####\n"  # live: arrival order, bar redrawn
+    view.feed(0, b"\rtrain: 100%|##########\n")
+    view.close()
+    assert shown[-1] == "[rank 0] train: 100%|##########\n[rank 1] hello from 1\n"  # final: grouped by rank
+
+
+@pytest.mark.slow
+def test_in_a_notebook_the_cell_keeps_one_final_grouped_view():
+    """Executed by a real kernel: the live area is updated in place, and the saved cell holds the
+    grouped output with the bar in its final state (what the rendered book shows)."""
+    import nbformat
+    from nbclient import NotebookClient
+
+    nb = nbformat.v4.new_notebook()
+    nb.cells = [
+        nbformat.v4.new_code_cell(f"import sys; sys.path.insert(0, {TESTS!r})\nimport distcourse, rank_workers"),
+        nbformat.v4.new_code_cell("distcourse.launch(rank_workers.progress_bar, 2, args=(40,));"),
+    ]
+    NotebookClient(nb, timeout=120, kernel_name="python3").execute()
+    outputs = nb.cells[1].outputs
+    views = [o for o in outputs if o.output_type == "display_data"]
+    assert len(views) == 1, outputs
+    text = views[0].data["text/plain"]
+    assert text.splitlines()[0].startswith("[rank 0] train: 100%") and "40/40" in text and "\r" not in text
+    assert text.index("[rank 0] done") < text.index("[rank 1] done")

@@ -9,10 +9,12 @@ import os
 import signal
 import subprocess
 import sys
+import tempfile
 import textwrap
 import threading
 import time
 
+import psutil
 import pytest
 
 import rank_workers as w
@@ -136,6 +138,55 @@ def test_two_callers_at_once():
     passed = sum(counts) if all(c.returncode == 0 for c in callers) else 0
     RESULTS["two callers launching at once"] = (passed, 2 * ATTEMPTS, time.monotonic() - start)
     assert passed == 2 * ATTEMPTS and processes_gone()
+
+
+# --- ranks with children: DataLoader workers, and a grandchild that ignores SIGTERM -----------
+
+
+def children_gone(pid_dir: str, at_least: int) -> bool:
+    pids = [int(pid) for name in os.listdir(pid_dir) for pid in open(os.path.join(pid_dir, name)).read().split()]
+    deadline = time.monotonic() + 5
+    while time.monotonic() < deadline:
+        alive = [pid for pid in pids if psutil.pid_exists(pid) and psutil.Process(pid).status() != "zombie"]
+        if not alive:
+            return len(pids) >= at_least
+        time.sleep(0.02)
+    return False
+
+
+def with_workers(then: str, exc_type, timeout: float = 60, interrupt_after: float | None = None) -> bool:
+    with tempfile.TemporaryDirectory() as pid_dir:
+        timer = threading.Timer(interrupt_after, os.kill, (os.getpid(), signal.SIGINT)) if interrupt_after else None
+        if timer:
+            timer.start()
+        try:
+            launch(w.ddp_with_loader_workers, 2, kwargs={"pid_dir": pid_dir, "then": then}, timeout=timeout, quiet=True)
+        except exc_type:
+            return children_gone(pid_dir, at_least=3 if then == "orphan" else 2)
+        finally:
+            if timer:
+                timer.join()
+        return False
+
+
+def test_rank_raises_while_its_dataloader_workers_run():
+    repeat("a rank raises, DataLoader workers alive", lambda: with_workers("raise", RankFailed), limit=15)
+
+
+def test_timeout_while_dataloader_workers_run():
+    repeat("timeout (3 s), DataLoader workers alive", lambda: with_workers("hang", LaunchTimeout, timeout=3), limit=15)
+
+
+def test_sigint_while_dataloader_workers_run():
+    repeat(
+        "SIGINT, DataLoader workers alive",
+        lambda: with_workers("hang", KeyboardInterrupt, interrupt_after=3),
+        limit=15,
+    )
+
+
+def test_orphaned_grandchild_that_ignores_sigterm():
+    repeat("a grandchild ignores SIGTERM, its parent gone", lambda: with_workers("orphan", RankFailed), limit=15)
 
 
 def pytest_terminal_summary_table() -> list[str]:

@@ -4,17 +4,23 @@
 
 ``fn`` runs once per rank with a fresh process group already initialised
 (gloo on CPU, nccl with one GPU per rank); ``results[r]`` is what rank ``r``
-returned. Each rank's output is shown below the cell, labelled by rank.
+returned. Each rank's output appears in the cell while the ranks run, and,
+when they are done, grouped by rank in rank order.
 
 Built on ``torch.multiprocessing`` (the fork-server start method) and
-``torch.distributed.TCPStore``. What they lack, written here:
+``torch.distributed.TCPStore``. ``torch.multiprocessing.spawn`` already starts
+ranks and, when one fails, terminates the others and raises its error; what a
+notebook needs beyond it is written here:
 
-* output relay: ``mp.spawn`` lets children write straight into the terminal, so
+* output relay: under ``mp.spawn`` children write straight into the terminal, so
   lines of different ranks interleave at random and C++ messages bypass Jupyter;
-* returning values: ``mp.spawn`` discards them;
-* teardown on failure: ``mp.spawn`` waits on a rank stuck in a collective
-  until gloo's 30-minute default timeout; here a failure, a timeout or an
-  interrupted cell stops every rank within a second or two.
+* returning values: ``mp.spawn`` discards them; here they come back, and their
+  tensors through shared memory rather than copied through a pipe;
+* a deadline for the whole run, and a stop that reaches the ranks' own children
+  (DataLoader workers, pools, subprocesses; see ``processes.py``), also when the
+  cell is interrupted;
+* blame: the first rank that failed for a reason of its own is reported, not a rank
+  that merely lost its peer.
 
 Why the fork server: ``spawn`` starts a new interpreter and imports torch for
 every rank of every launch (1-2 s each). A fork server is started once per
@@ -31,6 +37,7 @@ afresh by every rank.
 from __future__ import annotations
 
 import atexit
+import io
 import os
 import pickle
 import signal
@@ -38,17 +45,20 @@ import socket
 import sys
 import time
 import uuid
+from dataclasses import dataclass, field
 from multiprocessing.connection import Connection, wait
 
-import torch.multiprocessing as mp
 import torch.distributed as dist
+import torch.multiprocessing as mp
 
-from . import hardware
+from . import hardware, processes
+from .messages import RECEIVED, Failed, Returned, Task
+from .output import RankOutput
 from .rank import run_rank
 
 # torch._dynamo: optimizers and FSDP import it (~1 s per rank otherwise); importing starts nothing.
 _PRELOAD = ["torch", "torch.distributed", "torch._dynamo", "distcourse", "distcourse.runtime.rank"]
-_live: set = set()  # processes of launches in progress, killed at interpreter exit
+_live: set = set()  # processes of launches in progress, stopped at interpreter exit
 
 
 class LaunchError(RuntimeError):
@@ -76,6 +86,9 @@ class Results(list):
     seconds: float = 0.0
     plan: hardware.Plan | None = None
     outputs: dict[int, str]
+
+
+# ------------------------------------------------------------------ before any process starts
 
 
 def _context():
@@ -133,8 +146,6 @@ class _NotebookObjectPickler(pickle.Pickler):
 
 
 def _dumps(value) -> bytes:
-    import io
-
     buffer = io.BytesIO()
     try:
         _NotebookObjectPickler(buffer, protocol=pickle.HIGHEST_PROTOCOL).dump(value)
@@ -143,6 +154,12 @@ def _dumps(value) -> bytes:
     except Exception as exc:
         raise ValueError(f"the function's arguments cannot be sent to rank processes: {exc}") from exc
     return buffer.getvalue()
+
+
+def _positive(name: str, value) -> float:
+    if isinstance(value, bool) or not (isinstance(value, (int, float)) and value > 0):
+        raise ValueError(f"{name} must be a positive number of seconds, got {value!r}")
+    return float(value)
 
 
 def _listening_store():
@@ -163,29 +180,171 @@ def _listening_store():
     return store, port
 
 
-def _stop(processes, grace: float = 1.0) -> None:
-    """SIGTERM, then SIGKILL after ``grace`` seconds, and reap every process."""
-    for p in processes:
-        if p.is_alive():
-            p.terminate()
-    deadline = time.monotonic() + grace
-    for p in processes:
-        p.join(max(0.0, deadline - time.monotonic()))
-    for p in processes:
-        if p.is_alive():
-            p.kill()
-            p.join(5)
-    _live.difference_update(processes)
+# ------------------------------------------------------------------ while the ranks run
+
+
+@dataclass
+class _Rank:
+    """The launcher's view of one rank: its process, its reply connection, its output pipe."""
+
+    index: int
+    process: object
+    conn: Connection | None
+    output_fd: int | None
+    reply: Returned | Failed | None = None
+    failure: tuple[float, str] | None = None  # (when, what) if it failed
+    exited: bool = False  # its exit has been seen and handled
+
+
+@dataclass
+class _Run:
+    """One launch: start the ranks, pump their output and replies, stop everything."""
+
+    task: Task
+    timeout: float
+    output: RankOutput
+    ranks: list[_Rank] = field(default_factory=list)
+
+    def start(self, ctx) -> None:
+        for index in range(self.task.world_size):
+            parent_end, child_end = ctx.Pipe(duplex=True)
+            read_fd, write_fd = os.pipe()
+            writer = Connection(write_fd, readable=False)
+            # Not a daemon: a rank may start processes of its own (DataLoader workers...).
+            process = ctx.Process(target=run_rank, args=(index, self.task, child_end, writer), name=f"rank{index}")
+            self.ranks.append(_Rank(index, process, parent_end, read_fd))
+            process.start()
+            _live.add(process)
+            child_end.close()
+            writer.close()
+
+    # -- events
+    def _on_output(self, rank: _Rank) -> None:
+        chunk = os.read(rank.output_fd, 65536)
+        if chunk:
+            self.output.feed(rank.index, chunk)
+        else:
+            os.close(rank.output_fd)
+            rank.output_fd = None
+
+    def _on_reply(self, rank: _Rank) -> None:
+        conn, rank.conn = rank.conn, None
+        try:
+            rank.reply = pickle.loads(conn.recv_bytes())  # shared tensors are mapped here
+            conn.send_bytes(RECEIVED)  # the rank may exit now
+        except (EOFError, OSError):
+            pass
+        except Exception as exc:  # e.g. the rank vanished before its shared tensors were fetched
+            rank.failure = (time.time(), f"rank {rank.index}'s result could not be received: {exc!r}")
+        finally:
+            conn.close()
+        if isinstance(rank.reply, Failed) and rank.failure is None:
+            rank.failure = (rank.reply.when, rank.reply.traceback)
+
+    def _on_exit(self, rank: _Rank) -> None:
+        rank.exited = True
+        rank.process.join()
+        _live.discard(rank.process)
+        if rank.conn is not None and rank.conn.poll(0):
+            self._on_reply(rank)
+        if rank.failure is None and (rank.process.exitcode != 0 or rank.reply is None):
+            # Died without a word (signal, os._exit): nothing happened before it.
+            rank.failure = (float("-inf"), _describe_exit(rank.index, rank.process.exitcode))
+
+    def _pump(self, until: float, with_output: bool = True) -> None:
+        """Handle whatever happens before ``until`` (or until nothing is left to wait for)."""
+        events = {}
+        for rank in self.ranks:
+            if not rank.exited:
+                events[rank.process.sentinel] = (self._on_exit, rank)
+            if rank.conn is not None:
+                events[rank.conn] = (self._on_reply, rank)
+            if with_output and rank.output_fd is not None:
+                events[rank.output_fd] = (self._on_output, rank)
+        remaining = until - time.monotonic()
+        if not events or remaining <= 0:
+            return
+        for ready in wait(list(events), timeout=remaining):
+            handler, rank = events[ready]
+            if handler != self._on_reply or rank.conn is not None:  # _on_exit may have read it already
+                handler(rank)
+
+    # -- the run
+    def wait(self, started: float) -> None:
+        deadline = started + self.timeout
+        while time.monotonic() < deadline and not all(r.exited for r in self.ranks):
+            self._pump(min(deadline, time.monotonic() + 0.5))
+            self.output.refresh()
+            if any(r.failure for r in self.ranks):
+                self._collect_consequences()
+                return
+        # Every rank has exited: read what is left in the pipes for at most one more second,
+        # since a grandchild (e.g. a DataLoader worker) may still hold one open.
+        drain_until = min(deadline, time.monotonic() + 1.0) if all(r.exited for r in self.ranks) else 0
+        while time.monotonic() < drain_until and any(r.output_fd is not None for r in self.ranks):
+            self._pump(drain_until)
+
+    def _collect_consequences(self) -> None:
+        """One failure makes the others fail too (their peer vanished). Collect what arrives
+        shortly after, so that the earliest real cause can be blamed. If every failure so far
+        only reports a vanished peer, the rank that vanished has not been seen yet: wait longer."""
+        start = time.monotonic()
+        while not all(r.exited for r in self.ranks):
+            failures = [r.failure[1] for r in self.ranks if r.failure]
+            patience = 2.0 if all(_is_consequence(f) for f in failures) else 0.2
+            if time.monotonic() - start >= patience:
+                return
+            self._pump(start + patience)
+
+    def stop(self) -> None:
+        """The one cleanup path: every rank, its process group and its descendants."""
+        processes.stop_trees([r.process.pid for r in self.ranks if r.process.pid], grace=1.0)
+        for rank in self.ranks:
+            rank.process.join(5)
+            _live.discard(rank.process)
+            if rank.conn is not None:
+                rank.conn.close()
+                rank.conn = None
+        for rank in self.ranks:  # output written before the stop still belongs in the cell
+            while rank.output_fd is not None and wait([rank.output_fd], timeout=0):
+                self._on_output(rank)
+            if rank.output_fd is not None:
+                os.close(rank.output_fd)
+                rank.output_fd = None
+
+    def outcome(self) -> tuple[int, str] | None:
+        """The rank to blame and why: the earliest failure that is not just "my peer vanished"."""
+        failed = [r for r in self.ranks if r.failure]
+        if not failed:
+            return None
+        first = min(failed, key=lambda r: (_is_consequence(r.failure[1]), r.failure[0], r.index))
+        return first.index, first.failure[1]
 
 
 @atexit.register
 def _stop_all() -> None:
-    _stop(list(_live), grace=0.5)
+    processes.stop_trees([p.pid for p in list(_live) if p.pid], grace=0.5)
 
 
-def _labelled(rank: int, text: str) -> str:
-    lines = text.splitlines()
-    return "".join(f"[rank {rank}] {line}\n" for line in lines)
+# What a rank reports when another rank vanished under it (gloo, NCCL).
+_PEER_LOST = ("Connection closed by peer", "Connection reset by peer", "ECONNRESET", "remote process exited")
+
+
+def _is_consequence(detail: str) -> bool:
+    return any(marker in detail for marker in _PEER_LOST)
+
+
+def _describe_exit(rank: int, exitcode) -> str:
+    if exitcode is not None and exitcode < 0:
+        try:
+            name = signal.Signals(-exitcode).name
+        except ValueError:
+            name = str(-exitcode)
+        return f"rank {rank} was killed by signal {name}"
+    return f"rank {rank} exited with code {exitcode} without returning a result"
+
+
+# ------------------------------------------------------------------ the entry point
 
 
 def launch(
@@ -201,6 +360,7 @@ def launch(
     init_process_group: bool = True,
     stream: bool = False,
     quiet: bool = False,
+    share_tensors: bool = True,
 ) -> Results:
     """Run ``fn(*args, **kwargs)`` on ``world_size`` new processes and return their results.
 
@@ -210,162 +370,48 @@ def launch(
     collective_timeout: the process group's timeout inside the ranks (defaults
         to ``timeout``); a collective waiting longer raises in that rank.
     threads: intra-op threads per rank; default ``max(1, cores // world_size)``.
-    stream: print rank output as it arrives instead of grouped by rank at the end.
+    stream: outside Jupyter, print rank lines as they arrive instead of grouped by
+        rank at the end (in Jupyter the cell always shows them live, then grouped).
     quiet: print nothing (results and errors are unchanged).
+    share_tensors: return tensors through shared memory (default) or pickled
+        through the pipe (slower for large tensors; kept for comparison).
     """
     the_plan = hardware.plan(world_size, backend, threads)
     _check_importable(fn)
-    if not (isinstance(timeout, (int, float)) and timeout > 0):
-        raise ValueError(f"timeout must be a positive number of seconds, got {timeout!r}")
-    collective_timeout = timeout if collective_timeout is None else collective_timeout
-    if not (isinstance(collective_timeout, (int, float)) and collective_timeout > 0):
-        raise ValueError(f"collective_timeout must be a positive number of seconds, got {collective_timeout!r}")
+    timeout = _positive("timeout", timeout)
+    collective_timeout = _positive("collective_timeout", timeout if collective_timeout is None else collective_timeout)
     payload = _dumps((fn, tuple(args), dict(kwargs or {})))
-    say = (lambda text: None) if quiet else (lambda text: print(text, end="", flush=True))
-    say(f"launch: {the_plan.describe()}\n")
+    output = RankOutput(world_size, quiet=quiet, stream=stream)
+    output.say(f"launch: {the_plan.describe()}\n")
 
     ctx = _context()
     started = time.monotonic()
     store, port = _listening_store() if init_process_group else (None, 0)
-    task = {
-        "world_size": world_size,
-        "backend": the_plan.backend,
-        "threads": the_plan.threads,
-        "port": port,
-        "run_id": uuid.uuid4().hex,
-        "collective_timeout": float(collective_timeout),
-        "init_process_group": init_process_group,
-        "payload": payload,
-    }
-    processes, conns, pipes = [], {}, {}
-    outputs = {rank: b"" for rank in range(world_size)}
-    replies: dict[int, tuple] = {}
+    task = Task(
+        world_size=world_size,
+        backend=the_plan.backend,
+        threads=the_plan.threads,
+        port=port,
+        run_id=uuid.uuid4().hex,
+        collective_timeout=collective_timeout,
+        init_process_group=init_process_group,
+        share_tensors=share_tensors,
+        payload=payload,
+    )
+    run = _Run(task, timeout, output)
     try:
-        for rank in range(world_size):
-            parent_end, child_end = ctx.Pipe(duplex=True)
-            read_fd, write_fd = os.pipe()
-            output = Connection(write_fd, readable=False)
-            p = ctx.Process(
-                target=run_rank, args=(rank, task, child_end, output), name=f"rank{rank}", daemon=True
-            )
-            p.start()
-            _live.add(p)
-            child_end.close()
-            output.close()
-            processes.append(p)
-            conns[parent_end] = rank
-            pipes[read_fd] = rank
-
-        failures: dict[int, tuple[float, str]] = {}  # rank -> (when, what)
-        sentinels = {p.sentinel: rank for rank, p in enumerate(processes)}
-        deadline = started + timeout
-
-        def handle(obj) -> None:
-            if obj in pipes:
-                rank, chunk = pipes[obj], os.read(obj, 65536)
-                if chunk:
-                    outputs[rank] += chunk
-                    if stream:
-                        say(_labelled(rank, chunk.decode(errors="replace")))
-                else:
-                    del pipes[obj]
-                    os.close(obj)
-            elif obj in conns:
-                rank = conns.pop(obj)
-                try:
-                    replies[rank] = reply = pickle.loads(obj.recv_bytes())
-                    if reply[0] == "error":
-                        failures.setdefault(rank, (reply[2], reply[1]))
-                except (EOFError, OSError):
-                    pass
-                obj.close()
-            elif obj in sentinels:
-                rank = sentinels.pop(obj)
-                p = processes[rank]
-                p.join()
-                for conn in [c for c, r in conns.items() if r == rank and c.poll(0)]:
-                    handle(conn)
-                if (p.exitcode != 0 or rank not in replies) and rank not in failures:
-                    # Died without a word (signal, os._exit): nothing happened before it.
-                    failures[rank] = (float("-inf"), _describe_failure(rank, p.exitcode, replies.get(rank)))
-
-        while sentinels or pipes:
-            if not sentinels:
-                # Every rank has exited: drain the pipes for at most one more second,
-                # since a grandchild (e.g. a DataLoader worker) may still hold one open.
-                deadline = min(deadline, time.monotonic() + 1.0)
-            remaining = deadline - time.monotonic()
-            if remaining <= 0:
-                break
-            for obj in wait(list(sentinels) + list(conns) + list(pipes), timeout=remaining):
-                handle(obj)
-            if failures and sentinels:
-                # One failure makes the others fail too (their peer vanished). Collect
-                # what arrives shortly after, then blame the earliest, and stop the rest.
-                # If every failure so far only reports a vanished peer, the rank that
-                # vanished has not been seen yet: give it a little longer to show up.
-                grace_end, patience_end = time.monotonic() + 0.2, time.monotonic() + 2.0
-                while sentinels:
-                    only_consequences = all(_is_consequence(d) for _, d in failures.values())
-                    remaining = (patience_end if only_consequences else grace_end) - time.monotonic()
-                    if remaining <= 0:
-                        break
-                    for obj in wait(list(sentinels) + list(conns), timeout=remaining):
-                        handle(obj)
-                _stop(processes)
-                sentinels.clear()
-        failure = None
-        if failures:
-            # Blame the earliest failure that is not just "my peer vanished".
-            rank = min(failures, key=lambda r: (_is_consequence(failures[r][1]), failures[r][0], r))
-            failure = (rank, failures[rank][1])
-        running = [rank for rank, p in enumerate(processes) if p.is_alive() and failure is None]
-    except BaseException:
-        _stop(processes)
-        _close_all(conns, pipes)
-        raise
-    _stop(processes)
-    _close_all(conns, pipes)
-    if store is not None:
+        run.start(ctx)
+        run.wait(started)
+    finally:
+        run.stop()
+        output.close()
         del store
-    seconds = time.monotonic() - started
-    text = {rank: data.decode(errors="replace") for rank, data in outputs.items()}
-    if not stream:
-        for rank in range(world_size):
-            say(_labelled(rank, text[rank]))
+    failure = run.outcome()
+    running = [r.index for r in run.ranks if not isinstance(r.reply, Returned) and failure is None]
     if running:
-        raise LaunchTimeout(timeout, running, text)
+        raise LaunchTimeout(timeout, running, output.texts())
     if failure is not None:
-        raise RankFailed(failure[0], failure[1], text)
-    results = Results(replies[rank][1] for rank in range(world_size))
-    results.seconds, results.plan, results.outputs = seconds, the_plan, text
+        raise RankFailed(failure[0], failure[1], output.texts())
+    results = Results(r.reply.value for r in run.ranks)
+    results.seconds, results.plan, results.outputs = time.monotonic() - started, the_plan, output.texts()
     return results
-
-
-# What a rank reports when another rank vanished under it (gloo, NCCL).
-_PEER_LOST = ("Connection closed by peer", "Connection reset by peer", "ECONNRESET", "remote process exited")
-
-
-def _is_consequence(detail: str) -> bool:
-    return any(marker in detail for marker in _PEER_LOST)
-
-
-def _describe_failure(rank: int, exitcode, reply) -> str:
-    if reply is not None and reply[0] == "error":
-        return reply[1]
-    if exitcode is not None and exitcode < 0:
-        try:
-            name = signal.Signals(-exitcode).name
-        except ValueError:
-            name = str(-exitcode)
-        return f"rank {rank} was killed by signal {name}"
-    return f"rank {rank} exited with code {exitcode} without returning a result"
-
-
-def _close_all(conns, pipes) -> None:
-    for conn in list(conns):
-        conn.close()
-    conns.clear()
-    for fd in list(pipes):
-        os.close(fd)
-    pipes.clear()
