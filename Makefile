@@ -29,6 +29,7 @@ test: $(STAMP) $(NODE_STAMP)
 
 bench: $(STAMP)
 	$(PY) benchmarks/launch_bench.py
+	$(PY) benchmarks/results_bench.py
 
 slides: $(STAMP) $(NODE_STAMP)
 	$(PY) tools/build_slides.py

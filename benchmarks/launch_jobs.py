@@ -46,3 +46,8 @@ if __name__ == "__main__":
         all_reduce_check()
     finally:
         dist.destroy_process_group()
+
+
+def big_result(megabytes: int):
+    """Every rank returns ``megabytes`` MB of float32 filled with its rank (results_bench.py)."""
+    return torch.full((megabytes * 2**20 // 4,), float(dist.get_rank()))
