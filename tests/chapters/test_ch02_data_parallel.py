@@ -1,5 +1,8 @@
 """The chapter 02 helpers do what the chapter says, and its self-check can fail."""
 
+import threading
+import time
+
 import pytest
 import torch
 from torch import nn
@@ -83,18 +86,53 @@ def test_dataparallel_style_step_is_the_plain_step():
 
 
 def test_breakdown_reports_every_phase():
-    breakdown = dp.step_time_breakdown(replica_counts=(2,), steps=2, batch_size=32, width=32, depth=1)
+    steps = 2
+    start = time.perf_counter()
+    breakdown = dp.step_time_breakdown(replica_counts=(2,), steps=steps, batch_size=32, width=32, depth=1)
+    wall = time.perf_counter() - start
     (plain_label, plain), (dp_label, replicated) = breakdown.items()
     assert plain_label.startswith("plain step") and "2 replicas" in dp_label
     assert set(plain) == {"forward", "backward", "step"}
     assert set(replicated) == {"replicate", "scatter", "forward", "gather", "backward", "reduce", "step"}
-    assert all(seconds > 0 for seconds in [*plain.values(), *replicated.values()])
+    # Each phase is the fastest of `steps` timed rounds, so all rounds together cannot
+    # take less than steps x the phase times: a clock that adds up across steps or reads
+    # in other units breaks this.
+    phase_seconds = sum(plain.values()) + sum(replicated.values())
+    assert 0 < steps * phase_seconds <= wall
+    # On one device the replicas add work (copies, a forward per replica, the reduction).
+    if distcourse.gpu_count() < 2:
+        assert sum(replicated.values()) > sum(plain.values())
 
 
 def test_thread_speedup_restores_the_thread_count():
     before = torch.get_num_threads()
-    assert dp.thread_speedup("many small ops", repeats=1) > 0
+    speedup = dp.thread_speedup("many small ops", repeats=1)
     assert torch.get_num_threads() == before
+    # Two threads sharing the GIL cannot finish two jobs in less than half the time of one.
+    assert 0 < speedup < 2.5
+
+
+def test_thread_speedup_runs_the_jobs_in_threads_and_compares_the_fastest_runs(monkeypatch):
+    ran_in = []  # (thread id, intra-op threads) of every job call
+
+    def fake_work(kind):
+        def job():
+            torch.set_num_threads(1)
+            ran_in.append((threading.get_ident(), torch.get_num_threads()))
+
+        return job
+
+    monkeypatch.setattr(dp, "_work", fake_work)
+    dp.thread_speedup("many small ops", threads=3, repeats=2)
+    main = threading.get_ident()
+    in_main = [ident for ident, _ in ran_in if ident == main]
+    assert len(in_main) == 1 + 2 * 3  # the warm-up, then `repeats` sequential rounds of 3 jobs
+    assert len(ran_in) - len(in_main) == 2 * 3  # `repeats` threaded rounds, off the main thread
+    assert {n for _, n in ran_in} == {1}
+
+    times = iter([4.0, 2.0, 3.0, 1.5])  # sequential, threaded, sequential, threaded
+    monkeypatch.setattr(dp, "_seconds", lambda jobs, threaded: next(times))
+    assert dp.thread_speedup("many small ops", repeats=2) == pytest.approx(3.0 / 1.5)
 
 
 def test_batchnorm_replicas_differ_from_the_full_batch():
