@@ -1,5 +1,6 @@
 # Everything runs inside .venv, created and filled from requirements.txt on first use.
-# `make book` builds the rendered book, `make test` runs the whole test suite.
+# `make book` builds the rendered book, `make test` runs the whole test suite (lint included),
+# `make check` the fast tier: lint, format check and the tests not marked slow or stress (< 3 min).
 # `make bench` compares launch times; `make times` executes only the notebooks and reports their times.
 PYTHON ?= python3
 VENV := .venv
@@ -7,8 +8,10 @@ PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
 NODE_STAMP := node_modules/.package-lock.json
+# What ruff lints and format-checks (configured in pyproject.toml).
+LINTED := code tools tests benchmarks conftest.py
 
-.PHONY: book test bench times stress slides clean
+.PHONY: book test check lint bench times stress slides clean
 
 $(STAMP): requirements.txt pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -23,9 +26,18 @@ $(NODE_STAMP): package.json package-lock.json
 book: $(STAMP) $(NODE_STAMP)
 	$(PY) tools/build_book.py
 
-test: $(STAMP) $(NODE_STAMP)
+test: lint $(NODE_STAMP)
 	bash tools/install_browser.sh
 	$(PY) -m pytest
+
+# Fast tier: unit tests, parity and static checks; no notebook execution, book build,
+# browser, Colab simulation or stress scenarios (those are marked slow or stress).
+check: lint
+	$(PY) -m pytest tests -m "not slow and not stress" -q
+
+lint: $(STAMP)
+	$(VENV)/bin/ruff check $(LINTED)
+	$(VENV)/bin/ruff format --check $(LINTED)
 
 bench: $(STAMP)
 	$(PY) benchmarks/launch_bench.py

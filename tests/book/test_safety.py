@@ -93,7 +93,7 @@ def test_no_fixed_port_or_wildcard_address(pattern):
 
 def test_the_port_check_can_fail():
     port = "29" + "500"
-    samples = [f'init_method="tcp://127.0.0.1:{port}"', f'os.environ["MASTER_' + f'PORT"] = "{port}"',
+    samples = [f'init_method="tcp://127.0.0.1:{port}"', 'os.environ["MASTER_' + f'PORT"] = "{port}"',
                f"TCPStore(h, port={port})"]
     for sample in samples:
         assert any(p.search(sample) for p in PORT_PATTERNS), sample

@@ -8,8 +8,8 @@ import torch
 from torch import nn
 
 import distcourse
-from distcourse.exercises import ch02
 from distcourse import data_parallel as dp
+from distcourse.exercises import ch02
 
 
 def weighted_reduce(replicas, chunk_sizes):

@@ -7,8 +7,8 @@ import pytest
 import torch
 
 import distcourse
-from distcourse.exercises import ch03
 from distcourse import collectives
+from distcourse.exercises import ch03
 
 
 def test_ranks_map_onto_two_nodes_of_two_gpus(no_leftovers):

@@ -8,9 +8,9 @@ import torch
 from torch import nn
 
 import distcourse
-from distcourse.exercises import ch04
-from distcourse import ddp
 from distcourse import data_parallel as dp
+from distcourse import ddp
+from distcourse.exercises import ch04
 from distcourse.scripts import ddp_spawn_example
 
 pytestmark = pytest.mark.usefixtures("no_leftovers")

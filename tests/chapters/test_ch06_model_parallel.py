@@ -8,10 +8,9 @@ import torch
 import torch.nn.functional as F
 
 import distcourse
-from distcourse.exercises import ch06
-from distcourse import pipeline
 from distcourse import data_parallel as dp
-from distcourse import model_parallel
+from distcourse import model_parallel, pipeline
+from distcourse.exercises import ch06
 
 matplotlib.use("Agg")
 

@@ -19,9 +19,9 @@ import psutil
 import pytest
 import torch
 
-from distcourse.exercises import ch07
 from distcourse import checkpoints, train
 from distcourse import torchrun_tools as tt
+from distcourse.exercises import ch07
 
 CODE = pathlib.Path(train.__file__).parent
 B, STEPS = 4, 8  # tiny runs: the tests check behaviour, not training

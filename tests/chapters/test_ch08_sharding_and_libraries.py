@@ -3,8 +3,8 @@
 import pytest
 
 import distcourse
-from distcourse.exercises import ch08
 from distcourse import libraries, sharding
+from distcourse.exercises import ch08
 
 GB = 1e9
 
