@@ -119,8 +119,9 @@ def notebooks(root: pathlib.Path = ROOT) -> list[pathlib.Path]:
     return sorted((root / "chapters").glob("*/[0-9][0-9]-*.ipynb"))
 
 
-def update(notebook: pathlib.Path, root: pathlib.Path = ROOT) -> bool:
-    """Rewrite the header and setup cells; True if the file changed."""
+def update(notebook: pathlib.Path, root: pathlib.Path = ROOT, write: bool = True) -> bool:
+    """Rewrite the header and setup cells; True if the file changed (or, with write=False,
+    would change: the comparison is made in memory and the file is left alone)."""
     nb = nbformat.read(notebook, as_version=4)
     header = nb.cells[0]
     title = header.source.splitlines()[0]
@@ -133,7 +134,8 @@ def update(notebook: pathlib.Path, root: pathlib.Path = ROOT) -> bool:
     text = nbformat.writes(nb) + "\n"
     if text == notebook.read_text(encoding="utf-8"):
         return False
-    notebook.write_text(text, encoding="utf-8")
+    if write:
+        notebook.write_text(text, encoding="utf-8")
     return True
 
 
@@ -141,12 +143,7 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--check", action="store_true", help="report, do not write")
     args = parser.parse_args()
-    stale = []
-    for nb in notebooks():
-        before = nb.read_text(encoding="utf-8")
-        if update(nb) and args.check:
-            stale.append(nb)
-            nb.write_text(before, encoding="utf-8")
+    stale = [nb for nb in notebooks() if update(nb, write=not args.check) and args.check]
     for nb in stale:
         print(f"out of date: {nb.relative_to(ROOT)} (run python tools/headers.py)")
     return 1 if stale else 0

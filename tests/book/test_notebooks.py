@@ -6,6 +6,7 @@
 import ast
 import pathlib
 import re
+import shutil
 import subprocess
 import sys
 
@@ -74,7 +75,8 @@ def notebook_asserts(path) -> list[ast.Assert]:
     found = []
     for cell in nbformat.read(path, as_version=4).cells:
         if cell.cell_type == "code":
-            source = "\n".join("" if line.lstrip().startswith(("%", "!")) else line for line in cell.source.splitlines())
+            lines = cell.source.splitlines()
+            source = "\n".join("" if line.lstrip().startswith(("%", "!")) else line for line in lines)
             found += [node for node in ast.walk(ast.parse(source)) if isinstance(node, ast.Assert)]
     return found
 
@@ -100,3 +102,18 @@ def test_notebook_asserts_its_claims(path):
 def test_headers_match_config():
     result = subprocess.run([sys.executable, str(ROOT / "tools/headers.py"), "--check"], capture_output=True, text=True)
     assert result.returncode == 0, result.stdout + result.stderr
+
+
+def test_header_check_compares_without_writing(tmp_path):
+    (tmp_path / "chapters" / "en").mkdir(parents=True)
+    shutil.copy(ROOT / "_config.yml", tmp_path)
+    notebook = tmp_path / "chapters" / "en" / "01-dataloader-workers.ipynb"
+    nb = nbformat.read(ROOT / "chapters" / "en" / notebook.name, as_version=4)
+    nb.cells[0].source += "\n\nA stale line under the header."
+    nbformat.write(nb, notebook)
+    stale = notebook.read_bytes()
+    assert headers.update(notebook, tmp_path, write=False) is True
+    assert notebook.read_bytes() == stale
+    assert headers.update(notebook, tmp_path) is True
+    assert "A stale line" not in notebook.read_text(encoding="utf-8")
+    assert headers.update(notebook, tmp_path, write=False) is False
