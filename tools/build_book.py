@@ -12,6 +12,10 @@ outputs of the old code. We therefore fingerprint everything outside the noteboo
 change their outputs; when the fingerprint moves, the execution cache is dropped and every
 page is re-read (and so every notebook re-executed). Otherwise the build stays incremental
 (a no-change rebuild takes about a second).
+
+Progress: Sphinx's own output goes to _build/build.log (shown from its first problem on
+failure); the terminal gets one line per notebook as myst-nb reads it, executed or taken
+from the cache: n of N, the notebook, its seconds, and the totals at the end.
 """
 import argparse
 import hashlib
@@ -21,6 +25,7 @@ import shutil
 import subprocess
 import sys
 import time
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import yaml
@@ -103,11 +108,86 @@ def jupyter_book(root: Path, out: Path, config: Path, extra: list) -> int:
     cmd = [str(JUPYTER_BOOK), "build", str(root), "--path-output", str(out),
            "--config", str(config), "-W", "-n", "--keep-going", *extra]
     print(f"$ {' '.join(cmd)}\n  (log: {log_path})", flush=True)
+    progress = Progress(total=len(book_notebooks(root)))
+    # Unbuffered, so that each log line (and so each notebook's progress) arrives when written.
+    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
     with open(log_path, "w") as log:
-        rc = subprocess.run(cmd, cwd=root, stdout=log, stderr=subprocess.STDOUT).returncode
+        process = subprocess.Popen(cmd, cwd=root, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                                   text=True, errors="replace")
+        for line in process.stdout:
+            log.write(line)
+            progress.line(ANSI_ESCAPE.sub("", line), root)
+        rc = process.wait()
+    progress.summary()
     if rc != 0:
         print_failure(rc, log_path)
     return rc
+
+
+# myst-nb's log lines, one set per notebook it reads: "<path>.ipynb: <message> [mystnb]".
+NB_LOG = re.compile(r"^(?P<path>.+\.ipynb): (?:WARNING: )?(?P<message>.*?) \[mystnb(?:\.\w+)?\]\s*$")
+
+
+@dataclass
+class Progress:
+    """Turns myst-nb's log lines into `[ n/N] notebook  seconds` lines, and totals at the end."""
+
+    total: int
+    seen: int = 0
+    executed: dict = field(default_factory=dict)  # notebook: seconds
+    cached: list = field(default_factory=list)
+    failed: list = field(default_factory=list)
+    started: float = 0.0
+    running: bool = False  # a notebook's line is open, waiting for its seconds
+
+    def line(self, text: str, root: Path) -> None:
+        match = NB_LOG.match(text.strip())
+        if not match:
+            return
+        path, message = Path(match["path"]), match["message"]
+        name = path.relative_to(root).as_posix() if path.is_relative_to(root) else str(path)
+        if message.startswith("Executing notebook using"):
+            self.seen += 1
+            self.started, self.running = time.perf_counter(), True
+            print(f"[{self.seen:2d}/{self.total}] {name}  executing...", end="", flush=True)
+        elif message.startswith("Executed notebook in"):
+            self.executed[name], self.running = time.perf_counter() - self.started, False
+            print(f" {self.executed[name]:.1f} s", flush=True)
+        elif message.startswith("Executing notebook failed"):
+            self.failed.append(name)
+            self.running = False
+            print(f" FAILED after {time.perf_counter() - self.started:.1f} s", flush=True)
+        elif message.startswith("Using cached notebook"):
+            self.seen += 1
+            self.cached.append(name)
+            print(f"[{self.seen:2d}/{self.total}] {name}  from the cache", flush=True)
+
+    def summary(self) -> None:
+        if self.running:  # the build stopped inside a notebook
+            print(f" stopped after {time.perf_counter() - self.started:.1f} s", flush=True)
+        if not self.seen:
+            return
+        seconds = sum(self.executed.values())
+        unread = self.total - self.seen
+        print(f"Notebooks: {len(self.executed)} executed in {seconds:.1f} s, {len(self.cached)} from the cache"
+              + (f", {len(self.failed)} failed" if self.failed else "")
+              + (f", {unread} unchanged (not re-read)" if unread > 0 else ""), flush=True)
+
+
+def book_notebooks(root: Path) -> list:
+    """The notebooks the table of contents lists (what an execution can read at most)."""
+    toc = yaml.safe_load((root / "_toc.yml").read_text(encoding="utf8")) or {}
+    files, stack = [], [toc]
+    while stack:
+        item = stack.pop()
+        if isinstance(item, dict):
+            if isinstance(item.get("file") or item.get("root"), str):
+                files.append(item.get("file") or item.get("root"))
+            stack.extend(v for v in item.values() if isinstance(v, (dict, list)))
+        elif isinstance(item, list):
+            stack.extend(item)
+    paths = [root / (f if f.endswith(".ipynb") else f + ".ipynb") for f in files]
+    return sorted({p for p in paths if p.is_file()})
 
 
 def read_stamp(path: Path):

@@ -121,7 +121,10 @@ def test_cache_follows_code_changes(tmp_path):
     write_tiny_book(tmp_path)
     page = tmp_path / "_build" / "html" / "page.html"
 
-    _, first = build_book("--root", tmp_path)
+    stdout, first = build_book("--root", tmp_path)
+    # Progress: the notebook, n of N and its seconds, then the totals.
+    assert re.search(r"^\[ 1/1\] page\.ipynb  executing\.\.\. \d+\.\d s$", stdout, flags=re.M), stdout
+    assert re.search(r"^Notebooks: 1 executed in \d+\.\d s, 0 from the cache$", stdout, flags=re.M), stdout
     html = page.read_text()
     assert "first-value" in html
     assert f"kernel-prefix: {sys.prefix}" in html
