@@ -12,6 +12,8 @@ import nbformat
 import pytest
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
+# Every test here builds a book (the whole book, or a small one that executes).
+pytestmark = pytest.mark.slow
 
 
 def build_book(*args, timeout=240):
@@ -116,7 +118,6 @@ def write_tiny_book(root: Path):
     nbformat.write(nb, root / "page.ipynb")
 
 
-@pytest.mark.slow
 def test_cache_follows_code_changes(tmp_path):
     write_tiny_book(tmp_path)
     page = tmp_path / "_build" / "html" / "page.html"

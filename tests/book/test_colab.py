@@ -44,6 +44,7 @@ def _kernel_without_site(tmp: pathlib.Path, standin: pathlib.Path) -> pathlib.Pa
     return tmp / "jupyter"
 
 
+@pytest.mark.slow  # executes a notebook as Colab would (20-30 s each)
 @pytest.mark.skipif(shutil.which("git") is None, reason="git is needed to clone the course")
 @pytest.mark.parametrize("notebook", FIRST_CHAPTERS, ids=[p.parent.name for p in FIRST_CHAPTERS])
 def test_first_chapter_runs_as_in_colab(notebook, tmp_path, monkeypatch):

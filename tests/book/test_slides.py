@@ -72,6 +72,7 @@ def page_requests(netlog: pathlib.Path) -> list[str]:
     return urls
 
 
+@pytest.mark.slow  # builds a deck and renders it in a browser
 @pytest.mark.skipif(CHROMIUM is None, reason="Chromium is not installed (tools/install_browser.sh installs it as root)")
 @pytest.mark.skipif(not (ROOT / "node_modules" / "reveal.js").exists(), reason="run `npm ci` for reveal.js")
 def test_deck_renders_offline_in_chromium(tmp_path):

@@ -137,6 +137,7 @@ def _gone(pid: int) -> bool:
         return True
 
 
+@pytest.mark.slow  # waits for an 8 s timeout
 def test_timeout_stops_agent_and_workers(tmp_path, no_leftovers):
     # The last rank hangs; the other waits in a collective: only the timeout can end this.
     cmd = tt.torchrun("--standalone", "--nproc-per-node=2", script_args=script_args(tmp_path, "--print-env", "--hang-at", 2))

@@ -161,6 +161,7 @@ def test_a_failing_script_raises_with_its_log(monkeypatch):
         libraries.run_script("accelerate", libraries.task_data(1), timeout=30)
 
 
+@pytest.mark.slow
 def test_a_hanging_script_is_stopped_with_all_its_children(monkeypatch, tmp_path, no_leftovers):
     import psutil
 
