@@ -1,17 +1,20 @@
 """DistributedDataParallel, one behaviour at a time (chapter 04).
 
-Rank functions (run by ``distcourse.launch``) and the helpers the notebook
-checks them with, by section of the chapter:
+Rank functions (run by ``distcourse.launch``) and the helpers the notebooks
+check them with, by section of the chapter (sections 1-5 are in ``04-ddp``,
+6-11 in ``04-ddp-in-practice``):
 
 2. ``DistributedSampler``: ``sampler_orders``, ``sampler_demo``;
 3. 2 ranks x B = 1 process x 2B: ``ddp_gradients``, ``reference_gradients``;
 4. gradient accumulation and ``no_sync``: ``CommCounter``, ``counting_hook``, ``accumulated_gradients``;
 5. buckets: ``bucket_timeline``;
-6. uneven inputs and ``Join``: ``uneven_inputs``, ``key_line``;
+6. uneven inputs and ``Join``: ``uneven_inputs``, ``key_line``; mismatched collectives and
+   ``TORCH_DISTRIBUTED_DEBUG``: ``mismatched_all_reduce``;
 7. parameters without gradients: ``TwoHeads``, ``unused_branch``;
 8. a slow rank: ``skewed_speed``;
 9. BatchNorm across ranks: ``AllReduceBatchNorm1d``, ``batchnorm_step``, ``syncbn_on_cpu``;
-10. throughput of 1 vs 2 ranks: ``throughput_run``.
+10. throughput of 1 vs 2 ranks: ``throughput_run``;
+11. the everyday training loop: ``DigitsWithWorker``, ``train_with_loader``, ``run_subprocess``.
 
 Section 1's ``mp.spawn`` program is a script: ``distcourse/scripts/ddp_spawn_example.py``.
 The model and the data are chapter 02's (``data_parallel.mlp``, scikit-learn's
@@ -22,7 +25,11 @@ no rank has to import scikit-learn.
 from __future__ import annotations
 
 import contextlib
+import multiprocessing
+import os
 import re
+import subprocess
+import sys
 import time
 
 import torch
@@ -32,7 +39,7 @@ from torch import nn
 from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 from torch.distributed.algorithms.join import Join
 from torch.nn.parallel import DistributedDataParallel as DDP
-from torch.utils.data import DistributedSampler
+from torch.utils.data import DataLoader, Dataset, DistributedSampler, get_worker_info
 
 from .data_parallel import mlp, params_of
 from .runtime.hardware import rank_device
@@ -167,18 +174,20 @@ def accumulated_gradients(x, y, micro_batches: int, model_kwargs: dict) -> dict:
 # --- 5. Buckets ---------------------------------------------------------------------------
 
 
-def bucket_timeline(x, y, caps_mb, model_kwargs: dict, steps: int = 3) -> dict:
+def bucket_timeline(x, y, caps_mb, model_kwargs: dict, steps: int = 3, **ddp_kwargs) -> dict:
     """For each ``bucket_cap_mb``: buckets per backward, their sizes, and the order of events.
 
     The timeline interleaves "gradient of <parameter> computed" (a tensor hook on each
     parameter) with "all-reduce of bucket i starts" (the communication hook), for the
     last step. Buckets of a DDP model are fixed after the first backward, which runs
-    with one single bucket while DDP records the order gradients arrive in.
+    with one single bucket while DDP records the order gradients arrive in (unless
+    ``find_unused_parameters=True`` is among ``ddp_kwargs``: then the first backward
+    already uses buckets of the capped size).
     """
     xs, ys, _ = my_share(x, y)
     out = {}
     for cap in caps_mb:
-        ddp, events = wrap(mlp(**model_kwargs), bucket_cap_mb=cap), []
+        ddp, events = wrap(mlp(**model_kwargs), bucket_cap_mb=cap, **ddp_kwargs), []
         for name, p in ddp.module.named_parameters():
             p.register_hook(lambda grad, name=name: events.append(f"gradient of {name} computed"))
         counter = CommCounter(events)
@@ -451,3 +460,129 @@ def throughput_run(x, y, global_batch: int, steps: int, model_kwargs: dict, lr: 
         "world_size": world,
         "params": params_of(ddp.module),
     }
+
+
+# --- 6. Mismatched collectives and TORCH_DISTRIBUTED_DEBUG --------------------------------
+
+
+def mismatched_all_reduce(sizes, debug: str | None = "DETAIL") -> list[float]:
+    """All-reduce a tensor of ``sizes[rank]`` elements: collectives whose shapes disagree.
+
+    torch reads ``TORCH_DISTRIBUTED_DEBUG`` when ``torch.distributed`` is imported, and
+    wraps every process group created while the level is DETAIL in a checker that first
+    compares the ranks' collectives (operation, shapes, dtypes) through a separate gloo
+    group. In a script, set the variable in the environment you launch with
+    (``TORCH_DISTRIBUTED_DEBUG=DETAIL torchrun ...``). These ranks are forked from a
+    process that imported torch before, so the level is set again here and the group
+    that gets the checks is created afterwards.
+    """
+    if debug is not None:
+        os.environ["TORCH_DISTRIBUTED_DEBUG"] = debug
+        dist.set_debug_level_from_env()
+    group = dist.new_group()  # created now: wrapped in the checker when the level is DETAIL
+    tensor = torch.ones(sizes[dist.get_rank()], device=rank_device())
+    try:
+        dist.all_reduce(tensor, group=group)
+    except RuntimeError as error:  # print this rank's view, then fail as before
+        print(f"{type(error).__name__}: {_CPP_LOCATION.sub('', str(error))}")
+        raise
+    return tensor.tolist()
+
+
+# --- 11. The everyday training loop: DataLoader workers in every rank ---------------------
+
+
+class DigitsWithWorker(Dataset):
+    """Images and labels, each sample with the PID of the process that loaded it and
+    that process's parent.
+
+    The PIDs are bookkeeping for the chapter: they show which DataLoader worker
+    prepared each sample, and that the worker is a child of the rank.
+    """
+
+    def __init__(self, images: torch.Tensor, labels: torch.Tensor):
+        self.images, self.labels = images, labels
+
+    def __len__(self) -> int:
+        return len(self.labels)
+
+    def __getitem__(self, index: int):
+        worker = get_worker_info()  # None in the rank itself, set in a DataLoader worker
+        pids = [os.getpid(), os.getppid()] if worker is not None else [-1, -1]
+        return self.images[index], self.labels[index], torch.tensor(pids)
+
+
+def train_with_loader(
+    x,
+    y,
+    epochs: int = 2,
+    batch_size: int = 32,
+    num_workers: int = 2,
+    lr: float = 0.1,
+    model_kwargs: dict | None = None,
+    seed: int = 0,
+) -> dict:
+    """The DDP training loop of every PyTorch example, as one rank runs it.
+
+    A ``DistributedSampler`` deals each rank its share, ``set_epoch`` reshuffles every
+    epoch, a ``DataLoader`` with worker processes prepares the batches, DDP averages
+    the gradients, and only rank 0 shows a progress bar.
+
+    The workers are forked from the rank where the OS can fork. A rank of
+    ``distcourse.launch`` inherits the fork-server start method (also Python 3.14's
+    default on Linux; macOS and Windows spawn), under which every worker is a fresh
+    interpreter that imports torch before it loads its first sample.
+    """
+    # Imported here, in the rank: in a notebook's kernel tqdm.auto would look for Jupyter widgets.
+    from tqdm.auto import tqdm
+
+    rank, device = dist.get_rank(), rank_device()
+    fork = num_workers > 0 and "fork" in multiprocessing.get_all_start_methods()
+    dataset = DigitsWithWorker(x, y)
+    sampler = DistributedSampler(dataset, shuffle=True, seed=seed)
+    loader = DataLoader(
+        dataset,
+        batch_size=batch_size,
+        sampler=sampler,  # instead of shuffle=True
+        num_workers=num_workers,
+        persistent_workers=num_workers > 0,  # the same workers for every epoch, not new ones
+        pin_memory=device.type == "cuda",  # page-locked batches copy to the GPU asynchronously
+        multiprocessing_context="fork" if fork else None,  # workers start in milliseconds
+    )
+    torch.manual_seed(seed + rank)  # different initial weights on purpose: DDP broadcasts rank 0's
+    ddp = wrap(mlp(**(model_kwargs or {})))
+    optimizer = torch.optim.SGD(ddp.parameters(), lr=lr)
+    loader_pids, losses = set(), []
+    start = time.perf_counter()
+    with tqdm(total=epochs * len(loader), desc=f"rank {rank}", unit="step", disable=rank != 0) as bar:
+        for epoch in range(epochs):
+            sampler.set_epoch(epoch)  # a new permutation every epoch, the same on every rank
+            for images, labels, pids in loader:
+                images = images.to(device, non_blocking=True)
+                labels = labels.to(device, non_blocking=True)
+                optimizer.zero_grad()
+                loss = F.cross_entropy(ddp(images), labels)
+                loss.backward()
+                optimizer.step()
+                loader_pids.update(tuple(pair) for pair in pids.tolist())
+                losses.append(loss.item())
+                bar.set_postfix(epoch=epoch, loss=f"{loss.item():.3f}", refresh=False)
+                bar.update()
+    return {
+        "pid": os.getpid(),
+        "loaders": sorted(loader_pids),  # (pid, parent pid) of each process that loaded samples
+        "seconds": time.perf_counter() - start,
+        "steps": len(losses),
+        "losses": losses,
+        "params": params_of(ddp.module),
+    }
+
+
+def run_subprocess(code: str, timeout: float = 60.0) -> dict:
+    """Run ``python -c code`` from inside a rank and return what it printed.
+
+    The child inherits the rank's environment (RANK, WORLD_SIZE, MASTER_ADDR...),
+    as a program started by a training script would.
+    """
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=timeout)
+    return {"pid": os.getpid(), "returncode": done.returncode, "stdout": done.stdout, "stderr": done.stderr}

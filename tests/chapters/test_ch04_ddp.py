@@ -175,3 +175,79 @@ def test_self_check_rejects_wrong_answers_and_accepts_the_right_one(capsys):
     assert ch04.check_shard(contiguous_blocks) is False
     assert ch04.check_shard(right_shard) is True
     assert "Correct" in capsys.readouterr().out
+
+
+def test_first_backward_is_bucketed_by_size_only_with_find_unused_parameters(batch):
+    x, y = batch
+    model = {"width": 128, "depth": 2}
+    first = {}
+    for find_unused in (False, True):
+        out = distcourse.launch(ddp.bucket_timeline, 2, args=(x, y, [0.05], model),
+                                kwargs={"steps": 1, "find_unused_parameters": find_unused}, quiet=True)[0]
+        first[find_unused] = out[0.05]["buckets_per_step"][0]
+    assert first[False] == 1 and first[True] > 1
+
+
+def test_mismatched_all_reduce_aborts_without_detail_and_names_both_shapes_with_it():
+    with pytest.raises(distcourse.RankFailed, match="killed by signal SIGABRT"):
+        distcourse.launch(ddp.mismatched_all_reduce, 2, args=([4, 5],), kwargs={"debug": None}, backend="gloo",
+                          collective_timeout=5, timeout=30, quiet=True)
+    with pytest.raises(distcourse.RankFailed) as caught:
+        distcourse.launch(ddp.mismatched_all_reduce, 2, args=([4, 5],), backend="gloo",
+                          collective_timeout=5, timeout=30, quiet=True)
+    for rank in range(2):
+        said = caught.value.outputs[rank]
+        assert "Detected mismatch between collectives" in said and "TensorShape=[4]" in said and "TensorShape=[5]" in said
+    # Matching shapes pass the same checks.
+    assert distcourse.launch(ddp.mismatched_all_reduce, 2, args=([3, 3],), backend="gloo", quiet=True)[0] == [2.0] * 3
+
+
+def test_ddp_training_with_two_dataloader_workers_per_rank():
+    """The everyday loop: DistributedSampler, DataLoader(num_workers=2, persistent_workers=True), DDP, tqdm on rank 0."""
+    generator = torch.Generator().manual_seed(1)
+    x, y = torch.rand(256, 64, generator=generator), torch.randint(10, (256,), generator=generator)
+    runs = distcourse.launch(ddp.train_with_loader, 2, args=(x, y), kwargs={"epochs": 2, "batch_size": 16,
+                             "num_workers": 2, "model_kwargs": MODEL}, quiet=True)
+    assert ddp.max_gap(runs[0]["params"], runs[1]["params"]) == 0  # equal parameters across ranks
+    assert [r["steps"] for r in runs] == [16, 16]
+    rank_pids = {r["pid"] for r in runs}
+    for r in runs:
+        assert len(r["loaders"]) == 2  # two workers per rank, children of that rank
+        assert all(parent == r["pid"] and pid not in rank_pids for pid, parent in r["loaders"])
+    assert "16/16" in runs.outputs[0] and "16/16" not in runs.outputs[1]  # the progress bar is rank 0's
+    # Workers only change where batches are made, not what is learned.
+    alone = distcourse.launch(ddp.train_with_loader, 2, args=(x, y), kwargs={"epochs": 2, "batch_size": 16,
+                              "num_workers": 0, "model_kwargs": MODEL}, quiet=True)
+    assert alone[0]["loaders"] == [(-1, -1)]
+    assert ddp.max_gap(alone[0]["params"], runs[0]["params"]) == 0
+
+
+def test_a_rank_can_run_a_subprocess():
+    runs = distcourse.launch(ddp.run_subprocess, 2, args=("import os; print(os.getppid(), os.environ['RANK'])",),
+                             quiet=True)
+    assert [r["stdout"].split() for r in runs] == [[str(r["pid"]), str(rank)] for rank, r in enumerate(runs)]
+
+
+def test_global_stats_self_check_rejects_wrong_answers_and_accepts_the_right_one(capsys):
+    def right(counts, sums, squares):
+        n = sum(counts)
+        mean = sum(sums) / n
+        return mean, sum(squares) / n - mean**2
+
+    def mean_of_means(counts, sums, squares):
+        mean = torch.stack([s / n for s, n in zip(sums, counts)]).mean(0)
+        return mean, right(counts, sums, squares)[1]
+
+    def unbiased(counts, sums, squares):
+        n = sum(counts)
+        mean, var = right(counts, sums, squares)
+        return mean, var * n / (n - 1)
+
+    assert ch04.check_global_stats(lambda *args: (None, None)) is False
+    assert "returned None" in capsys.readouterr().out
+    assert ch04.check_global_stats(mean_of_means) is False
+    assert "total count" in capsys.readouterr().out
+    assert ch04.check_global_stats(unbiased) is False
+    assert "unbiased" in capsys.readouterr().out
+    assert ch04.check_global_stats(right) is True
+    assert "Correct" in capsys.readouterr().out

@@ -1,4 +1,7 @@
-"""Self-check of chapter 04's exercise: which indices does a DistributedSampler give a rank?
+"""Self-checks of chapter 04's exercises.
+
+First part: which indices does a DistributedSampler give a rank? Second part: the
+global BatchNorm statistics from every rank's count, sums and sums of squares.
 
 The learner's function runs here, in the notebook's own process (a function defined
 in a notebook cannot be sent to rank processes), and is compared with PyTorch's own
@@ -10,6 +13,7 @@ from __future__ import annotations
 
 import itertools
 
+import torch
 from torch.utils.data import DistributedSampler
 
 # (dataset size, world size): even splits, splits that need padding, more ranks
@@ -56,4 +60,56 @@ def check_shard(my_shard) -> bool:
         print(f"Not yet: {problem}.")
         return False
     print("Correct: your shards match DistributedSampler's for all sizes, world sizes, ranks, epochs and seeds tried.")
+    return True
+
+
+# --- Second part: global BatchNorm statistics from per-rank sums -------------------------
+
+# (ranks, samples per rank, channels): equal shares, unequal shares, a rank with one sample
+STATS_CASES = [((8, 8), 3), ((5, 11), 4), ((1, 6, 9), 2), ((3, 3, 3, 7), 5)]
+
+
+def _stats_problem(my_global_stats) -> str | None:
+    for case, (sizes, channels) in enumerate(STATS_CASES):
+        generator = torch.Generator().manual_seed(case)
+        # float64 and a shift per channel: realistic data whose variance is not just 1
+        shares = [torch.randn(n, channels, generator=generator, dtype=torch.float64) * 2 + 3 for n in sizes]
+        counts = [len(s) for s in shares]
+        sums = [s.sum(0) for s in shares]
+        squares = [(s * s).sum(0) for s in shares]
+        everything = torch.cat(shares)
+        want_mean, want_var = everything.mean(0), everything.var(0, unbiased=False)
+        call = f"my_global_stats(counts={counts}, ...)"
+        try:
+            got = my_global_stats(list(counts), [t.clone() for t in sums], [t.clone() for t in squares])
+            mean, var = got
+        except Exception as exc:  # the learner's code may raise anything
+            return f"{call} raised {type(exc).__name__}: {exc}"
+        if mean is None or var is None:
+            return "my_global_stats returned None: return (mean, variance), two tensors of shape [C]"
+        mean, var = torch.as_tensor(mean, dtype=torch.float64), torch.as_tensor(var, dtype=torch.float64)
+        if mean.shape != want_mean.shape or var.shape != want_var.shape:
+            return f"{call} returned shapes {tuple(mean.shape)} and {tuple(var.shape)}; both should be ({channels},)"
+        if not torch.allclose(mean, want_mean, atol=1e-9):
+            average_of_means = torch.stack([s / n for s, n in zip(sums, counts)]).mean(0)
+            if torch.allclose(mean, average_of_means, atol=1e-9):
+                return (f"{call}: the mean is the average of the ranks' means, which weighs a rank with "
+                        f"few samples as much as one with many. Divide the total sum by the total count")
+            return f"{call}: mean {mean.tolist()}, expected {want_mean.tolist()}"
+        if not torch.allclose(var, want_var, atol=1e-9):
+            if torch.allclose(var, everything.var(0, unbiased=True), atol=1e-9):
+                return (f"{call}: that is the unbiased variance (divided by n - 1). BatchNorm normalises "
+                        f"with the biased one, divided by n")
+            return f"{call}: variance {var.tolist()}, expected {want_var.tolist()}"
+    return None
+
+
+def check_global_stats(my_global_stats) -> bool:
+    """True if ``my_global_stats(counts, sums, squares)`` returns the mean and biased variance,
+    per channel, of all ranks' samples together."""
+    problem = _stats_problem(my_global_stats)
+    if problem:
+        print(f"Not yet: {problem}.")
+        return False
+    print("Correct: your statistics match those of all ranks' samples together, for equal and unequal shares.")
     return True
