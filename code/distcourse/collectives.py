@@ -16,6 +16,7 @@ import inspect
 import operator
 import os
 import time
+import warnings
 from dataclasses import dataclass
 
 import torch
@@ -198,6 +199,51 @@ def all_gather_demo() -> dict:
     return {"before": _list(mine), "after": _list(torch.cat(slots))}
 
 
+# The single-tensor names are new in PyTorch 2.13; older releases have only the names they
+# replace (same arguments), so the course falls back to those there.
+all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+reduce_scatter_single = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+
+
+def single_tensor_demo() -> dict:
+    """reduce_scatter and all_gather on one flat tensor each, as sharded training does."""
+    n = dist.get_world_size()
+    t = _start()
+    piece = torch.empty(t.numel() // n, device=t.device)
+    reduce_scatter_single(piece, t)  # input: n pieces back to back; rank r keeps the sum of piece r
+    whole = torch.empty_like(t)
+    all_gather_single(whole, piece)  # output: every rank's piece, back to back in rank order
+    # The names these replace still work, but warn and say what to call instead.
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        old_piece, old_whole = torch.empty_like(piece), torch.empty_like(t)
+        dist.reduce_scatter_tensor(old_piece, t)
+        dist.all_gather_into_tensor(old_whole, old_piece)
+    return {
+        "before": _list(t),
+        "piece": _list(piece),
+        "after": _list(whole),
+        "old names, same result": torch.equal(old_piece, piece) and torch.equal(old_whole, whole),
+        "warnings": [f"{w.category.__name__}: {w.message}" for w in caught if issubclass(w.category, FutureWarning)],
+    }
+
+
+def all_reduce_avg_demo() -> dict:
+    """``ReduceOp.AVG`` where the backend has it, and the SUM-then-divide it stands for."""
+    n = dist.get_world_size()
+    t = _start()
+    by_sum = t.clone()
+    dist.all_reduce(by_sum, op=dist.ReduceOp.SUM)
+    by_sum /= n
+    avg = t.clone()
+    try:
+        dist.all_reduce(avg, op=dist.ReduceOp.AVG)
+        how = "ReduceOp.AVG"
+    except (RuntimeError, ValueError):  # older gloo: "Cannot use ReduceOp.AVG with Gloo"
+        avg, how = by_sum, "SUM, then / world size"
+    return {"before": _list(t), "after": _list(avg), "sum / world size": _list(by_sum), "how": how}
+
+
 DEMOS = {
     "broadcast": broadcast_demo,
     "reduce": reduce_demo,
@@ -208,6 +254,8 @@ DEMOS = {
     "reduce_scatter": reduce_scatter_demo,
     "reduce_scatter via all_reduce": reduce_scatter_fallback_demo,
     "all_gather": all_gather_demo,
+    "single-tensor": single_tensor_demo,
+    "all_reduce AVG": all_reduce_avg_demo,
 }
 
 

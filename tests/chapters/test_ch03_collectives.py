@@ -121,3 +121,23 @@ def test_markdown_helpers():
     table = collectives.markdown_table(["rank", "after"], [(0, [60.0, 64.5]), (1, None)])
     assert table.splitlines() == ["| rank | after |", "|---|---|", "| 0 | [60, 64.5] |", "| 1 | — |"]
     assert collectives.source(collectives.reduce_scatter_chunk).startswith("```python\ndef reduce_scatter_chunk")
+
+
+@pytest.mark.parametrize("n", [2, 4])
+def test_single_tensor_collectives_and_avg(n, no_leftovers):
+    import torch.distributed as dist
+
+    tour = distcourse.launch(collectives.tour, world_size=n, quiet=True)
+    start = [[10 * r + i for i in range(n)] for r in range(n)]
+    sums = [sum(col) for col in zip(*start)]
+    single = [t["single-tensor"] for t in tour]
+    assert [s["piece"] for s in single] == [[x] for x in sums]  # reduce_scatter_single: rank r keeps piece r
+    assert all(s["after"] == sums for s in single)  # then all_gather_single: the all_reduce result
+    assert all(s["old names, same result"] for s in single)
+    if hasattr(dist, "all_gather_single"):  # the names these replace warn and point to them
+        for s in single:
+            assert len(s["warnings"]) == 2 and all(w.startswith("FutureWarning") for w in s["warnings"])
+            assert "reduce_scatter_single" in s["warnings"][0] and "all_gather_single" in s["warnings"][1]
+    avg = [t["all_reduce AVG"] for t in tour]
+    assert all(a["after"] == a["sum / world size"] == [x / n for x in sums] for a in avg)
+    assert avg[0]["how"] == "ReduceOp.AVG"  # gloo in torch 2.13 has it
