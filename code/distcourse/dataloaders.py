@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import os
 import random
+import sys
 import time
 import warnings
 
@@ -252,6 +253,81 @@ def first_draw_per_worker(num_workers: int = 2) -> dict[str, list[int]]:
     loader = _loader(RandomSources(num_workers), batch_size=None, num_workers=num_workers)
     draws = sorted(_batches(loader), key=lambda d: d["worker"])
     return {source: [d[source] for d in draws] for source in draws[0] if source != "worker"}
+
+
+def first_draws_per_rank(world_size: int = 2, num_workers: int = 2, seed: int = 0, rank_in_seed: bool = False):
+    """{(rank, worker): first draw of each random source}, for ranks that all call ``torch.manual_seed(seed)``.
+
+    Every rank's script seeds torch, then iterates its DataLoader, which draws the workers'
+    ``base_seed`` from torch's global generator: that draw alone decides every worker's
+    seeds. So running the ranks one after the other in this process, each from the same
+    seed, reproduces what separate rank processes would do, without starting them.
+    ``rank_in_seed=True`` applies the fix: the DataLoader gets its own generator, seeded
+    with ``seed + rank``, so the workers' seeds differ between ranks while the global seed
+    (model initialisation, dropout) stays the same on every rank.
+    """
+    draws = {}
+    with torch.random.fork_rng(devices=[]):  # leave the caller's generator as it was
+        for rank in range(world_size):
+            torch.manual_seed(seed)  # what every rank's script does first
+            generator = torch.Generator().manual_seed(seed + rank) if rank_in_seed else None
+            loader = _loader(RandomSources(num_workers), batch_size=None, num_workers=num_workers, generator=generator)
+            for sample in _batches(loader):
+                draws[(rank, sample["worker"])] = {k: v for k, v in sample.items() if k != "worker"}
+    return dict(sorted(draws.items()))
+
+
+def host_to_device_ms(megabytes: int = 64, repeats: int = 5, device=None) -> dict[str, float]:
+    """Milliseconds of one host-to-accelerator copy of ``megabytes`` MiB, from pageable and from pinned memory.
+
+    Fair timing: each kind of memory is copied once before the clock starts, and the best
+    of ``repeats`` copies counts. The first copy pays one-off costs (creating the CUDA
+    context, the caching allocator's first request for device memory, the driver's staging
+    buffers): without the warm-up they land on whichever kind of memory is timed first.
+    Both sources are written before timing, so no copy pays the page faults of memory
+    that was allocated but never touched.
+    """
+    from .common.timing import best_of, wait_for_compute
+
+    device = torch.device(device) if device is not None else torch.accelerator.current_accelerator()
+    if device is None or device.type == "cpu":
+        raise ValueError("pinned memory speeds up copies to an accelerator; this machine has none")
+    pageable = torch.ones(megabytes * 2**20, dtype=torch.uint8)  # ones, not empty: every page touched
+    pinned = pageable.pin_memory()
+    result = {}
+    for name, host in (("pageable", pageable), ("pinned", pinned)):
+        host.to(device, non_blocking=True)  # warm-up, not timed
+        wait_for_compute(device)
+        result[name] = 1e3 * best_of(lambda: host.to(device, non_blocking=True), repeats, device)
+    return result
+
+
+TORCHRUN_VARIABLES = (
+    "RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "GROUP_RANK", "ROLE_RANK",
+    "MASTER_ADDR", "MASTER_PORT", "TORCHELASTIC_RESTART_COUNT", "TORCHELASTIC_RUN_ID", "CUDA_VISIBLE_DEVICES",
+)
+
+
+def torchrun_environment(nproc: int = 2, timeout: float = 60.0) -> list[dict]:
+    """The variables in ``TORCHRUN_VARIABLES`` as each of ``nproc`` torchrun workers sees them, by rank.
+
+    The workers are bare ``python -c`` processes (``--no-python``) that print their
+    environment and exit, so this costs about what torchrun needs to start. The variable
+    ``CUDA_VISIBLE_DEVICES`` is removed from torchrun's own environment first: if a worker
+    has it, torchrun put it there.
+    """
+    import json
+
+    from . import torchrun_tools as tt
+
+    probe = f"import json, os; print('env ' + json.dumps({{k: os.environ.get(k) for k in {TORCHRUN_VARIABLES!r}}}))"
+    env = tt.child_env()
+    env.pop("CUDA_VISIBLE_DEVICES", None)
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}",
+               "--no-python", sys.executable, "-c", probe]
+    result = tt.run(command, timeout=timeout, env=env)
+    rows = [json.loads(line[4:]) for line in result.stdout.splitlines() if line.startswith("env ")]
+    return sorted(rows, key=lambda row: int(row["RANK"]))
 
 
 def cifar10(root, train: bool = True, download: bool = False, transform=None):

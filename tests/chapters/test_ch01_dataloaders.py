@@ -53,3 +53,39 @@ def test_missing_or_bad_dataset_paths_give_clear_errors(tmp_path):
         locked.mkdir(mode=0)
         with pytest.raises(PermissionError, match="cannot read"):
             data.cifar10(locked)
+
+
+def test_ranks_seeded_alike_repeat_worker_seeds_until_the_rank_is_in_the_seed():
+    sources = ("torch", "random", "numpy global")
+    before = torch.get_rng_state()
+    alike = data.first_draws_per_rank(world_size=2, num_workers=2, seed=3)
+    assert torch.equal(before, torch.get_rng_state())  # the caller's generator is left alone
+    assert sorted(alike) == [(0, 0), (0, 1), (1, 0), (1, 1)]
+    assert all(alike[(0, w)][s] == alike[(1, w)][s] for w in (0, 1) for s in sources)
+    fixed = data.first_draws_per_rank(world_size=3, num_workers=2, seed=3, rank_in_seed=True)
+    assert all(len({d[s] for d in fixed.values()}) == 6 for s in sources)
+    # A generator stored in the dataset is copied as it is, whatever the seeds.
+    assert len({d["numpy Generator in dataset"] for d in fixed.values()}) == 1
+
+
+def test_torchrun_sets_ranks_but_not_cuda_visible_devices(monkeypatch):
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "")  # even when the parent has it, the probe starts without it
+    env = data.torchrun_environment(nproc=2)
+    assert [(e["RANK"], e["LOCAL_RANK"], e["WORLD_SIZE"], e["LOCAL_WORLD_SIZE"]) for e in env] == [
+        ("0", "0", "2", "2"),
+        ("1", "1", "2", "2"),
+    ]
+    assert all(e["CUDA_VISIBLE_DEVICES"] is None and e["MASTER_PORT"] and e["TORCHELASTIC_RUN_ID"] for e in env)
+
+
+def test_host_to_device_timing_needs_an_accelerator():
+    import pytest
+
+    accelerator = torch.accelerator.current_accelerator()
+    if accelerator is None:
+        with pytest.raises(ValueError, match="accelerator"):
+            data.host_to_device_ms(megabytes=1)
+    else:
+        ms = data.host_to_device_ms(megabytes=16, repeats=3)
+        assert set(ms) == {"pageable", "pinned"} and all(v > 0 for v in ms.values())
+        assert ms["pinned"] < ms["pageable"]
