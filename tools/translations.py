@@ -51,13 +51,21 @@ SECTION = re.compile(r"^%%% (title|markdown|code)(?: (\S+))?\s*$", re.M)
 # ---------------------------------------------------------------- notebooks
 
 def english_chapters(root: pathlib.Path = ROOT) -> list[pathlib.Path]:
-    return sorted((root / "chapters" / "en").glob("[0-9][0-9]-*.ipynb"))
+    # By stem, so that a chapter in two parts reads in order: 04-ddp before 04-ddp-in-practice.
+    return sorted((root / "chapters" / "en").glob("[0-9][0-9]-*.ipynb"), key=lambda p: p.stem)
 
 
 def chapter(number: str, root: pathlib.Path = ROOT) -> pathlib.Path:
-    found = [p for p in english_chapters(root) if p.name.startswith(f"{int(number):02d}-")]
+    """The English chapter named by its number ("03") or, for a chapter in several parts,
+    by the file name's stem ("04-ddp-in-practice")."""
+    chapters = english_chapters(root)
+    found = [p for p in chapters if p.stem == number]
+    if not found and number.isdigit():
+        found = [p for p in chapters if p.name.startswith(f"{int(number):02d}-")]
     if not found:
         raise SystemExit(f"no English chapter {number!r} in chapters/en/")
+    if len(found) > 1:
+        raise SystemExit(f"chapter {number!r} has several parts; name one: {', '.join(p.stem for p in found)}")
     return found[0]
 
 
@@ -366,16 +374,16 @@ def main() -> int:
     sub = parser.add_subparsers(dest="command", required=True)
     p = sub.add_parser("extract", help="print the work file of a chapter")
     p.add_argument("lang", choices=headers.LANGUAGES)
-    p.add_argument("chapter", help="chapter number, e.g. 03")
+    p.add_argument("chapter", help="chapter number, e.g. 03, or a part's file stem, e.g. 04-ddp-in-practice")
     p = sub.add_parser("apply", help="build a translation from a work file")
     p.add_argument("lang", choices=TRANSLATED)
     p.add_argument("workfile", type=pathlib.Path)
-    p.add_argument("--chapter", help="chapter number (default: the digits the work file's name starts with)")
+    p.add_argument("--chapter", help="chapter number or file stem (default: the digits the work file's name starts with)")
     p = sub.add_parser("sync", help="copy the English code cells into every translation")
     p.add_argument("paths", nargs="*", type=pathlib.Path)
     p = sub.add_parser("mark-current", help="record that translations already follow the current English prose "
                        "(after editing English and every translation in the same change)")
-    p.add_argument("chapter", help="chapter number, e.g. 03")
+    p.add_argument("chapter", help="chapter number, e.g. 03, or a part's file stem, e.g. 04-ddp-in-practice")
     p.add_argument("langs", nargs="*", help="default: every translation")
     p = sub.add_parser("figure-texts", help="print a figure-text catalog template (YAML) for a language")
     p.add_argument("lang", choices=TRANSLATED)

@@ -26,7 +26,7 @@ PAIR_IDS = [f"{lang}-{en.stem[:2]}" for en, lang in PAIRS]
 
 
 def test_there_are_eight_english_chapters_and_five_languages():
-    assert len(ENGLISH) == 8
+    assert len({p.name[:2] for p in ENGLISH}) == 8  # a chapter may come in parts: 04-ddp, 04-ddp-in-practice
     assert translations.TRANSLATED == ["ru", "zh-CN", "zh-TW", "pt-BR", "ko"]
 
 
