@@ -559,3 +559,89 @@ def dcp_load_single_process(model, optimizer, directory):
     set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optimizer"])
     model_sd, optim_sd = get_state_dict(model, optimizer)
     return {"model": _full(model_sd), "optimizer": _full(optim_sd)}
+
+
+# --------------------------------------------------------------------------------------
+# 5. Saving while training goes on: dcp.async_save and Stateful
+# --------------------------------------------------------------------------------------
+
+
+class TrainingState:
+    """Model, optimizer and step as one object DCP saves and loads (the ``Stateful`` protocol).
+
+    ``dcp.save`` and ``dcp.async_save`` call ``state_dict()`` on every entry that has both
+    methods, and ``dcp.load`` calls ``load_state_dict()`` after filling that dict in place:
+    the caller hands DCP live objects instead of converting dicts by hand around every call.
+    """
+
+    def __init__(self, model, optimizer, step: int = 0):
+        self.model, self.optimizer, self.step = model, optimizer, step
+
+    def state_dict(self) -> dict:
+        from torch.distributed.checkpoint.state_dict import get_state_dict
+
+        model_sd, optim_sd = get_state_dict(self.model, self.optimizer)  # sharded entries stay sharded
+        return {"model": model_sd, "optimizer": optim_sd, "step": self.step}
+
+    def load_state_dict(self, state: dict) -> None:
+        from torch.distributed.checkpoint.state_dict import set_state_dict
+
+        set_state_dict(self.model, self.optimizer, model_state_dict=state["model"], optim_state_dict=state["optimizer"])
+        self.step = state["step"]
+
+
+def _snapshot(state: dict) -> dict:
+    """Whole tensors on the CPU, copied: later training steps cannot change them (a collective)."""
+    import copy
+
+    return copy.deepcopy(_full(state))
+
+
+def dcp_async_save_while_training(directory, steps: int = 8, save_at=(3, 6)):
+    """Rank function: FSDP2 training that checkpoints with ``dcp.async_save`` and keeps training.
+
+    The saves get a gloo process group of their own: ``async_save`` runs collectives in a
+    background thread, and on the default group they would interleave with the training's
+    own collectives in a different order on each rank (a hang or an abort). At most one save
+    is in flight: the previous one's ``.result()`` is waited for before the next starts.
+    Afterwards every checkpoint is loaded into a fresh model and optimizer, through the same
+    ``Stateful`` object, and returned next to what was saved.
+    """
+    import torch.distributed.checkpoint as dcp
+
+    device = rank_device()
+    model = _fsdp_model(device)
+    app = TrainingState(model, torch.optim.Adam(model.parameters(), lr=1e-3))
+    save_group = dist.new_group(backend="gloo")  # every rank creates it; only the saves use it
+    generator = torch.Generator().manual_seed(dist.get_rank())
+    pending, saves, expected = None, [], {}
+    for _ in range(steps):
+        x = torch.randn(16, 64, generator=generator).to(device)
+        model(x).square().mean().backward()
+        app.optimizer.step()
+        app.optimizer.zero_grad()
+        app.step += 1
+        if pending is not None and not pending.done():
+            saves[-1]["steps while writing"] += 1  # a step that ran while the checkpoint was written
+        if app.step in save_at:
+            if pending is not None:
+                pending.result()  # the previous save is complete (and raises here if it failed)
+            expected[app.step] = _snapshot(app.state_dict())  # what this checkpoint must hold
+            start = time.perf_counter()
+            pending = dcp.async_save({"app": app}, checkpoint_id=pathlib.Path(directory) / f"step-{app.step}",
+                                     process_group=save_group)
+            record = {"step": app.step, "returned after": time.perf_counter() - start,
+                      "still writing on return": not pending.done(), "steps while writing": 0}
+            pending.add_done_callback(lambda _, r=record, t=start: r.update({"written after": time.perf_counter() - t}))
+            saves.append(record)
+    pending.result()
+    final = _snapshot(app.state_dict())
+
+    loaded = {}
+    for step in save_at:
+        fresh_model = _fsdp_model(device)
+        fresh = TrainingState(fresh_model, torch.optim.Adam(fresh_model.parameters(), lr=1e-3))
+        dcp.load({"app": fresh}, checkpoint_id=pathlib.Path(directory) / f"step-{step}", planner=weights_only_planner())
+        loaded[step] = _snapshot(fresh.state_dict())
+    dist.destroy_process_group(save_group)
+    return {"saves": saves, "expected": expected, "loaded": loaded, "final": final}

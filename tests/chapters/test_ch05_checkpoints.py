@@ -255,3 +255,41 @@ def test_self_check_rejects_wrong_answers_and_accepts_the_right_one(capsys):
     assert "left behind" in capsys.readouterr().out
     assert ch05.check_atomic_save(checkpoints.atomic_save) is True
     assert "Correct" in capsys.readouterr().out
+
+
+def _equal(a, b):
+    if isinstance(a, dict):
+        return a.keys() == b.keys() and all(_equal(a[k], b[k]) for k in a)
+    if isinstance(a, (list, tuple)):
+        return len(a) == len(b) and all(_equal(x, y) for x, y in zip(a, b))
+    return torch.equal(a, b) if isinstance(a, torch.Tensor) else a == b
+
+
+def test_async_save_with_its_own_group_while_training_goes_on(tmp, no_leftovers):
+    runs = distcourse.launch(
+        checkpoints.dcp_async_save_while_training, world_size=2, args=(tmp / "async",),
+        kwargs={"steps": 7, "save_at": (2, 4, 6)}, quiet=True,
+    )
+    for r in runs:
+        assert [s["step"] for s in r["saves"]] == [2, 4, 6]
+        assert all(s["written after"] >= s["returned after"] for s in r["saves"])  # the callback saw the end
+        for step in (2, 4, 6):
+            assert r["loaded"][step]["step"] == step
+            assert _equal(r["loaded"][step], r["expected"][step])  # the state of that step, not a later one
+        assert not _equal(r["expected"][2]["model"], r["expected"][4]["model"])
+        assert not _equal(r["expected"][6]["model"], r["final"]["model"])  # step 7 ran after the last save
+    assert sorted(p.name for p in (tmp / "async").iterdir()) == ["step-2", "step-4", "step-6"]
+
+
+def test_training_state_is_stateful():
+    from torch.distributed.checkpoint.stateful import Stateful
+
+    model = checkpoints.make_model()
+    state = checkpoints.TrainingState(model, torch.optim.Adam(model.parameters(), lr=1e-3), step=5)
+    assert isinstance(state, Stateful)
+    saved = state.state_dict()
+    assert saved["step"] == 5 and set(saved) == {"model", "optimizer", "step"}
+    other_model = checkpoints.make_model()
+    other = checkpoints.TrainingState(other_model, torch.optim.Adam(other_model.parameters(), lr=1e-3))
+    other.load_state_dict(saved)
+    assert other.step == 5 and all(torch.equal(a, b) for a, b in zip(model.parameters(), other_model.parameters()))
