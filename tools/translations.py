@@ -378,7 +378,7 @@ def main() -> int:
     p = sub.add_parser("apply", help="build a translation from a work file")
     p.add_argument("lang", choices=TRANSLATED)
     p.add_argument("workfile", type=pathlib.Path)
-    p.add_argument("--chapter", help="chapter number or file stem (default: the digits the work file's name starts with)")
+    p.add_argument("--chapter", help="chapter number or stem (default: the digits the work file's name starts with)")
     p = sub.add_parser("sync", help="copy the English code cells into every translation")
     p.add_argument("paths", nargs="*", type=pathlib.Path)
     p = sub.add_parser("mark-current", help="record that translations already follow the current English prose "

@@ -89,7 +89,9 @@ def test_smaller_buckets_are_more_and_overlap_backward(batch):
 
 def test_uneven_inputs_hang_without_join_and_finish_with_it():
     with pytest.raises((distcourse.RankFailed, distcourse.LaunchTimeout)) as caught:
-        distcourse.launch(ddp.uneven_inputs, 2, args=([1, 2], False, MODEL), collective_timeout=2, timeout=30, quiet=True)
+        distcourse.launch(
+            ddp.uneven_inputs, 2, args=([1, 2], False, MODEL), collective_timeout=2, timeout=30, quiet=True
+        )
     assert "timed out" in ddp.key_line("\n".join(caught.value.outputs.values()), "timed out").lower()
     joined = distcourse.launch(ddp.uneven_inputs, 2, args=([1, 2], True, MODEL), collective_timeout=5, quiet=True)
     assert [r["batches"] for r in joined] == [1, 2]
@@ -112,7 +114,9 @@ def test_unused_parameters_fail_until_ddp_is_told(batch):
 
 def test_the_fast_rank_waits_for_the_slow_one(batch):
     x, y = batch
-    skew = distcourse.launch(ddp.skewed_speed, 2, args=(x, y, MODEL), kwargs={"extra_seconds": 0.04, "steps": 4}, quiet=True)
+    skew = distcourse.launch(
+        ddp.skewed_speed, 2, args=(x, y, MODEL), kwargs={"extra_seconds": 0.04, "steps": 4}, quiet=True
+    )
     backward = "backward (incl. waiting for the all-reduce)"
     assert skew[0][backward] > skew[1][backward] + 0.5 * 4 * 0.04
 
@@ -182,32 +186,53 @@ def test_first_backward_is_bucketed_by_size_only_with_find_unused_parameters(bat
     model = {"width": 128, "depth": 2}
     first = {}
     for find_unused in (False, True):
-        out = distcourse.launch(ddp.bucket_timeline, 2, args=(x, y, [0.05], model),
-                                kwargs={"steps": 1, "find_unused_parameters": find_unused}, quiet=True)[0]
+        out = distcourse.launch(
+            ddp.bucket_timeline,
+            2,
+            args=(x, y, [0.05], model),
+            kwargs={"steps": 1, "find_unused_parameters": find_unused},
+            quiet=True,
+        )[0]
         first[find_unused] = out[0.05]["buckets_per_step"][0]
     assert first[False] == 1 and first[True] > 1
 
 
 def test_mismatched_all_reduce_aborts_without_detail_and_names_both_shapes_with_it():
     with pytest.raises(distcourse.RankFailed, match="killed by signal SIGABRT"):
-        distcourse.launch(ddp.mismatched_all_reduce, 2, args=([4, 5],), kwargs={"debug": None}, backend="gloo",
-                          collective_timeout=5, timeout=30, quiet=True)
+        distcourse.launch(
+            ddp.mismatched_all_reduce,
+            2,
+            args=([4, 5],),
+            kwargs={"debug": None},
+            backend="gloo",
+            collective_timeout=5,
+            timeout=30,
+            quiet=True,
+        )
     with pytest.raises(distcourse.RankFailed) as caught:
-        distcourse.launch(ddp.mismatched_all_reduce, 2, args=([4, 5],), backend="gloo",
-                          collective_timeout=5, timeout=30, quiet=True)
+        distcourse.launch(
+            ddp.mismatched_all_reduce, 2, args=([4, 5],), backend="gloo", collective_timeout=5, timeout=30, quiet=True
+        )
     for rank in range(2):
         said = caught.value.outputs[rank]
-        assert "Detected mismatch between collectives" in said and "TensorShape=[4]" in said and "TensorShape=[5]" in said
+        assert (
+            "Detected mismatch between collectives" in said and "TensorShape=[4]" in said and "TensorShape=[5]" in said
+        )
     # Matching shapes pass the same checks.
     assert distcourse.launch(ddp.mismatched_all_reduce, 2, args=([3, 3],), backend="gloo", quiet=True)[0] == [2.0] * 3
 
 
 def test_ddp_training_with_two_dataloader_workers_per_rank():
-    """The everyday loop: DistributedSampler, DataLoader(num_workers=2, persistent_workers=True), DDP, tqdm on rank 0."""
+    """The everyday loop: DistributedSampler, DataLoader(num_workers=2, persistent_workers=True), DDP, tqdm."""
     generator = torch.Generator().manual_seed(1)
     x, y = torch.rand(256, 64, generator=generator), torch.randint(10, (256,), generator=generator)
-    runs = distcourse.launch(ddp.train_with_loader, 2, args=(x, y), kwargs={"epochs": 2, "batch_size": 16,
-                             "num_workers": 2, "model_kwargs": MODEL}, quiet=True)
+    runs = distcourse.launch(
+        ddp.train_with_loader,
+        2,
+        args=(x, y),
+        kwargs={"epochs": 2, "batch_size": 16, "num_workers": 2, "model_kwargs": MODEL},
+        quiet=True,
+    )
     assert ddp.max_gap(runs[0]["params"], runs[1]["params"]) == 0  # equal parameters across ranks
     assert [r["steps"] for r in runs] == [16, 16]
     rank_pids = {r["pid"] for r in runs}
@@ -216,15 +241,21 @@ def test_ddp_training_with_two_dataloader_workers_per_rank():
         assert all(parent == r["pid"] and pid not in rank_pids for pid, parent in r["loaders"])
     assert "16/16" in runs.outputs[0] and "16/16" not in runs.outputs[1]  # the progress bar is rank 0's
     # Workers only change where batches are made, not what is learned.
-    alone = distcourse.launch(ddp.train_with_loader, 2, args=(x, y), kwargs={"epochs": 2, "batch_size": 16,
-                              "num_workers": 0, "model_kwargs": MODEL}, quiet=True)
+    alone = distcourse.launch(
+        ddp.train_with_loader,
+        2,
+        args=(x, y),
+        kwargs={"epochs": 2, "batch_size": 16, "num_workers": 0, "model_kwargs": MODEL},
+        quiet=True,
+    )
     assert alone[0]["loaders"] == [(-1, -1)]
     assert ddp.max_gap(alone[0]["params"], runs[0]["params"]) == 0
 
 
 def test_a_rank_can_run_a_subprocess():
-    runs = distcourse.launch(ddp.run_subprocess, 2, args=("import os; print(os.getppid(), os.environ['RANK'])",),
-                             quiet=True)
+    runs = distcourse.launch(
+        ddp.run_subprocess, 2, args=("import os; print(os.getppid(), os.environ['RANK'])",), quiet=True
+    )
     assert [r["stdout"].split() for r in runs] == [[str(r["pid"]), str(rank)] for rank, r in enumerate(runs)]
 
 

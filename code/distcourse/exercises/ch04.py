@@ -93,13 +93,17 @@ def _stats_problem(my_global_stats) -> str | None:
         if not torch.allclose(mean, want_mean, atol=1e-9):
             average_of_means = torch.stack([s / n for s, n in zip(sums, counts)]).mean(0)
             if torch.allclose(mean, average_of_means, atol=1e-9):
-                return (f"{call}: the mean is the average of the ranks' means, which weighs a rank with "
-                        f"few samples as much as one with many. Divide the total sum by the total count")
+                return (
+                    f"{call}: the mean is the average of the ranks' means, which weighs a rank with "
+                    f"few samples as much as one with many. Divide the total sum by the total count"
+                )
             return f"{call}: mean {mean.tolist()}, expected {want_mean.tolist()}"
         if not torch.allclose(var, want_var, atol=1e-9):
             if torch.allclose(var, everything.var(0, unbiased=True), atol=1e-9):
-                return (f"{call}: that is the unbiased variance (divided by n - 1). BatchNorm normalises "
-                        f"with the biased one, divided by n")
+                return (
+                    f"{call}: that is the unbiased variance (divided by n - 1). BatchNorm normalises "
+                    f"with the biased one, divided by n"
+                )
             return f"{call}: variance {var.tolist()}, expected {want_var.tolist()}"
     return None
 
