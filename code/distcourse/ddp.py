@@ -528,10 +528,10 @@ def train_with_loader(
     epoch, a ``DataLoader`` with worker processes prepares the batches, DDP averages
     the gradients, and only rank 0 shows a progress bar.
 
-    The workers are forked from the rank where the OS can fork. A rank of
-    ``distcourse.launch`` inherits the fork-server start method (also Python 3.14's
-    default on Linux; macOS and Windows spawn), under which every worker is a fresh
-    interpreter that imports torch before it loads its first sample.
+    The workers are forked from the rank where the OS can fork, whatever the platform's
+    default start method: under ``forkserver`` (Python 3.14's default on Linux) and
+    ``spawn`` (macOS, Windows) every worker is a fresh interpreter that imports torch
+    before it loads its first sample.
     """
     # Imported here, in the rank: in a notebook's kernel tqdm.auto would look for Jupyter widgets.
     from tqdm.auto import tqdm

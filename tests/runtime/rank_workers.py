@@ -204,3 +204,9 @@ def progress_bar(steps=30):
         time.sleep(0.01)
     print("done")
     return dist.get_rank()
+
+
+def start_method():
+    import multiprocessing
+
+    return multiprocessing.get_start_method()

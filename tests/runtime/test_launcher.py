@@ -262,6 +262,13 @@ def test_ranks_train_ddp_with_dataloader_workers():
     assert set(results[0]["workers"]).isdisjoint(results[1]["workers"])
 
 
+def test_a_rank_starts_processes_the_way_a_script_would():
+    import multiprocessing
+
+    expected = multiprocessing.get_context().get_start_method()  # not the launcher's fork server
+    assert launch(w.start_method, 2, quiet=True) == [expected] * 2
+
+
 def test_a_rank_may_run_a_subprocess_and_a_pool():
     assert launch(w.uses_subprocess_and_pool, 2, quiet=True) == [(42, [1, 2, 3])] * 2
 

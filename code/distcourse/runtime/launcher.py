@@ -38,6 +38,7 @@ from __future__ import annotations
 
 import atexit
 import io
+import multiprocessing
 import os
 import pickle
 import signal
@@ -396,6 +397,7 @@ def launch(
         collective_timeout=collective_timeout,
         init_process_group=init_process_group,
         share_tensors=share_tensors,
+        start_method=multiprocessing.get_context().get_start_method(),  # the default, without fixing it
         payload=payload,
     )
     run = _Run(task, timeout, output)

@@ -30,6 +30,7 @@ class Task:
     collective_timeout: float
     init_process_group: bool
     share_tensors: bool  # results' tensors through shared memory (True) or pickled through the pipe
+    start_method: str  # the launching process's default, for what the rank itself starts
     payload: bytes  # pickled (fn, args, kwargs)
 
 

@@ -15,6 +15,7 @@ kernel dies, the rank can take its whole group with it.
 from __future__ import annotations
 
 import datetime
+import multiprocessing
 import os
 import pickle
 import signal
@@ -133,6 +134,11 @@ def _run(rank: int, task: Task, parent: _Parent):
     if torch.cuda.is_initialized():
         raise RuntimeError("CUDA was initialised before the rank started; ranks must start CUDA-free")
     torch.set_num_threads(task.threads)
+    # A child of the fork server inherits "forkserver" as its default start method; give the
+    # rank the launching process's default instead, as a script under torchrun has: on Linux
+    # with Python <= 3.13 that is "fork", and DataLoader workers start in milliseconds rather
+    # than importing torch afresh in a new interpreter each.
+    multiprocessing.set_start_method(task.start_method, force=True)
     fn, args, kwargs = pickle.loads(task.payload)
     if not task.init_process_group:
         return _call(fn, args, kwargs, parent, task.share_tensors)
