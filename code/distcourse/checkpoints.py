@@ -28,9 +28,11 @@ import numpy as np
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.nn.parallel import DistributedDataParallel as DDP
 from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
 
+from .common.datasets import digits as digits  # chapter 05 loads its data as checkpoints.digits()
+from .common.models import mlp
+from .common.training import global_mean, wrap_ddp
 from .runtime.hardware import rank_device
 
 # --------------------------------------------------------------------------------------
@@ -148,8 +150,11 @@ def saved_locations(path) -> set[str]:
 
 
 def make_model() -> nn.Module:
-    """A small MLP for 8x8 digit images; the dropout makes training consume random numbers."""
-    return nn.Sequential(nn.Linear(64, 128), nn.ReLU(), nn.Dropout(0.1), nn.Linear(128, 10))
+    """A small MLP for 8x8 digit images; the dropout makes training consume random numbers.
+
+    Its initial weights come from the caller's random generator (``torch.manual_seed`` first).
+    """
+    return mlp(width=128, dropout=0.1, seed=None)
 
 
 def save_then_load(path, barrier: bool = True, delay: float = 0.0):
@@ -178,14 +183,6 @@ def save_then_load(path, barrier: bool = True, delay: float = 0.0):
 # --------------------------------------------------------------------------------------
 # 3. A full training state, and exact resume
 # --------------------------------------------------------------------------------------
-
-
-def digits():
-    """scikit-learn's handwritten digits (shipped with the package, no download) as tensors."""
-    from sklearn.datasets import load_digits
-
-    x, y = load_digits(return_X_y=True)
-    return torch.tensor(x / 16.0, dtype=torch.float32), torch.tensor(y)
 
 
 def seed_everything(seed: int) -> None:
@@ -312,7 +309,7 @@ def train(data, steps: int, *, every: int = 0, directory=None, resume_from=None,
     if resume_from is not None:
         state = load_checkpoint(resume_from, map_location="cpu")
         step, epoch, first_batch, pending_rng = restore(state, model, optimizer, scheduler, forget)
-    ddp = DDP(model, device_ids=[device.index] if device.type == "cuda" else None)
+    ddp = wrap_ddp(model, device)
 
     losses = {}
     while step < steps:
@@ -331,7 +328,7 @@ def train(data, steps: int, *, every: int = 0, directory=None, resume_from=None,
             loss.backward()  # DDP averages the gradients across ranks here
             optimizer.step()
             scheduler.step()
-            losses[step] = _global_mean(loss)
+            losses[step] = global_mean(loss)
             if directory is not None and rank == 0:
                 _log(directory / "losses.jsonl", step, losses[step])
             step += 1
@@ -346,12 +343,6 @@ def train(data, steps: int, *, every: int = 0, directory=None, resume_from=None,
         epoch, first_batch = epoch + 1, 0
     weights = {k: v.detach().cpu().clone() for k, v in model.state_dict().items()}
     return {"losses": losses, "weights": weights, "device": str(device)}
-
-
-def _global_mean(loss: torch.Tensor) -> float:
-    total = loss.detach().clone()
-    dist.all_reduce(total)
-    return (total / dist.get_world_size()).item()
 
 
 def _log(path, step: int, loss: float) -> None:

@@ -15,13 +15,13 @@ from __future__ import annotations
 import inspect
 import operator
 import os
-import time
 import warnings
 from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
 
+from .common.timing import best_of
 from .runtime.hardware import rank_device
 
 
@@ -394,27 +394,20 @@ def bus_bandwidth(nbytes: float, seconds: float, n: int) -> float:
     return 2 * (n - 1) / n * nbytes / seconds
 
 
-def _sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)  # GPU work is asynchronous: wait before reading the clock
-
-
 def _best_seconds(op, x: torch.Tensor, repeats: int) -> float:
     """Fastest of ``repeats`` timed calls: the one least disturbed by other programs.
 
     (On a busy 2-core machine single calls are sometimes descheduled for milliseconds;
     the fastest call estimates what the operation itself costs.)
     """
-    times = []
-    for _ in range(repeats + 1):  # the first round is a warm-up (allocations, connections)
+
+    def fresh_buffer_together():
         buffer = x.clone()
         dist.barrier()  # start together, so nobody's clock includes waiting for a late peer
-        _sync(x.device)
-        start = time.perf_counter()
-        op(buffer)
-        _sync(x.device)
-        times.append(time.perf_counter() - start)
-    return min(times[1:])
+        return buffer
+
+    # The first round is a warm-up (allocations, connections).
+    return best_of(op, repeats, x.device, warmup=1, setup=fresh_buffer_together)
 
 
 def bandwidth_sweep(sizes_bytes, repeats) -> dict:

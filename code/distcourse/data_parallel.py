@@ -24,15 +24,16 @@ import sys
 import threading
 import time
 from collections import defaultdict
-from contextlib import contextmanager
 
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
+from .common.datasets import digits_batch
+from .common.models import mlp  # chapter 02 builds its models from here: data_parallel.mlp
+from .common.timing import Stopwatch
 from .runtime.hardware import gpu_count, rank_device
-
 
 # --- models and data ------------------------------------------------------------------
 
@@ -53,35 +54,6 @@ class ShapeReporter(nn.Module):
         print(f"  forward: input {tuple(x.shape)} on {x.device}")
         self.calls.append((tuple(x.shape), str(x.device)))
         return self.fc(x)
-
-
-def mlp(width: int = 32, depth: int = 1, batchnorm: bool = False, seed: int = 0) -> nn.Sequential:
-    """A classifier for 8x8 digits: 64 inputs, ``depth`` hidden layers, 10 classes.
-
-    The same ``seed`` gives the same initial weights, in any process.
-    """
-    with torch.random.fork_rng(devices=[]):  # leave the caller's random state alone
-        torch.manual_seed(seed)
-        layers, size = [], 64
-        for _ in range(depth):
-            layers += [nn.Linear(size, width)] + ([nn.BatchNorm1d(width)] if batchnorm else []) + [nn.ReLU()]
-            size = width
-        return nn.Sequential(*layers, nn.Linear(size, 10))
-
-
-def digits_batch(size: int = 64, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
-    """``size`` random samples of scikit-learn's digits (ships with the package, no download)."""
-    images, labels = _digits()
-    pick = torch.randperm(len(labels), generator=torch.Generator().manual_seed(seed))[:size]
-    return images[pick], labels[pick]
-
-
-@functools.lru_cache(maxsize=1)
-def _digits() -> tuple[torch.Tensor, torch.Tensor]:
-    from sklearn.datasets import load_digits
-
-    digits = load_digits()
-    return torch.tensor(digits.data, dtype=torch.float32) / 16.0, torch.tensor(digits.target)
 
 
 def devices_for(k: int) -> list[torch.device]:
@@ -214,28 +186,7 @@ def all_reduce_step(x, y, state: dict, lr: float = 0.1, **model_kwargs):
 # --- why nn.DataParallel is slow: what it does on every step ------------------------------
 
 
-class PhaseClock:
-    """Adds up wall time per named phase (synchronising GPUs so their work is counted)."""
-
-    def __init__(self):
-        self.seconds: dict[str, float] = defaultdict(float)
-
-    @contextmanager
-    def __call__(self, phase: str):
-        _synchronize()
-        start = time.perf_counter()
-        yield
-        _synchronize()
-        self.seconds[phase] += time.perf_counter() - start
-
-
-def _synchronize() -> None:
-    if torch.cuda.is_available() and torch.cuda.is_initialized():
-        for i in range(torch.cuda.device_count()):  # every GPU, not only the current one
-            torch.cuda.synchronize(i)
-
-
-def plain_step(model, optimizer, x, y, clock: PhaseClock):
+def plain_step(model, optimizer, x, y, clock: Stopwatch):
     with clock("forward"):
         output = model(x)
     with clock("backward"):
@@ -245,7 +196,7 @@ def plain_step(model, optimizer, x, y, clock: PhaseClock):
         optimizer.zero_grad()
 
 
-def dataparallel_style_step(model, optimizer, x, y, devices, clock: PhaseClock):
+def dataparallel_style_step(model, optimizer, x, y, devices, clock: Stopwatch):
     """One step the way ``nn.DataParallel`` organises it, phase by phase.
 
     The model lives on ``devices[0]`` and is copied to every device *on every
@@ -296,14 +247,14 @@ def step_time_breakdown(replica_counts=(2, 4), steps: int = 20, batch_size: int 
         where = devices[0].type if k == 1 or devices[0].type == "cpu" else f"{k} GPUs"
         if k == 1:
             label = f"plain step ({where})"
-            runs[label] = functools.partial(plain_step, model, optimizer, xd, yd)
+            runs[label] = devices, functools.partial(plain_step, model, optimizer, xd, yd)
         else:
             label = f"DataParallel-style, {k} replicas ({where})"
-            runs[label] = functools.partial(dataparallel_style_step, model, optimizer, xd, yd, devices)
+            runs[label] = devices, functools.partial(dataparallel_style_step, model, optimizer, xd, yd, devices)
     samples = {label: defaultdict(list) for label in runs}
     for i in range(3 + steps):  # 3 warm-up rounds: first calls allocate memory
-        for label, step in runs.items():
-            clock = PhaseClock()
+        for label, (devices, step) in runs.items():
+            clock = Stopwatch(devices)  # waits for every GPU of the run, not only the current one
             step(clock=clock)
             for phase, seconds in clock.seconds.items():
                 if i >= 3:
@@ -318,8 +269,8 @@ def same_update_as_plain(k: int = 2, batch_size: int = 64) -> float:
     models = [mlp(width=64, depth=2).to(devices[0]) for _ in range(2)]
     optimizers = [torch.optim.SGD(m.parameters(), lr=0.1) for m in models]
     xd, yd = x.to(devices[0]), y.to(devices[0])
-    plain_step(models[0], optimizers[0], xd, yd, PhaseClock())
-    dataparallel_style_step(models[1], optimizers[1], xd, yd, devices, PhaseClock())
+    plain_step(models[0], optimizers[0], xd, yd, Stopwatch(devices))
+    dataparallel_style_step(models[1], optimizers[1], xd, yd, devices, Stopwatch(devices))
     return max_difference(models[0], models[1])
 
 

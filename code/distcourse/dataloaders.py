@@ -120,11 +120,10 @@ class NoisyDigits(Dataset):
     """
 
     def __init__(self, size: int = 16, seed: int = 0, noise: float = 0.5):
-        from sklearn.datasets import load_digits
+        from .common.datasets import digits
 
-        digits = load_digits()
-        self.images = torch.tensor(digits.images[:size], dtype=torch.float32) / 16.0
-        self.labels = torch.tensor(digits.target[:size])
+        images, labels = digits()
+        self.images, self.labels = images[:size].reshape(-1, 8, 8), labels[:size]
         self.noise = noise
         self.rng = np.random.default_rng(seed)
 

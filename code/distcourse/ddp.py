@@ -38,18 +38,14 @@ import torch.nn.functional as F
 from torch import nn
 from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 from torch.distributed.algorithms.join import Join
-from torch.nn.parallel import DistributedDataParallel as DDP
 from torch.utils.data import DataLoader, Dataset, DistributedSampler, get_worker_info
 
-from .data_parallel import mlp, params_of
+from .common import timing
+from .common.models import mlp
+from .common.training import train_step
+from .common.training import wrap_ddp as wrap  # this rank's device, device_ids only on a GPU
+from .data_parallel import params_of
 from .runtime.hardware import rank_device
-
-
-def wrap(model: nn.Module, **ddp_kwargs) -> DDP:
-    """Move ``model`` to this rank's device and wrap it; DDP broadcasts rank 0's weights."""
-    device = rank_device()
-    model.to(device)
-    return DDP(model, device_ids=[device.index] if device.type == "cuda" else None, **ddp_kwargs)
 
 
 def my_share(x: torch.Tensor, y: torch.Tensor):
@@ -64,11 +60,8 @@ def grads_of(model: nn.Module) -> list[torch.Tensor]:
 
 
 def clock() -> float:
-    """Wall time that includes the GPU's queued work: CUDA runs asynchronously, so
-    without a synchronize a timer would measure only how fast work was queued."""
-    if rank_device().type == "cuda":
-        torch.cuda.synchronize()
-    return time.perf_counter()
+    """Wall time that includes the work queued on this rank's device (see ``common/timing.py``)."""
+    return timing.clock(rank_device())
 
 
 def max_gap(a, b) -> float:
@@ -227,9 +220,7 @@ def uneven_inputs(batches_per_rank, use_join: bool, model_kwargs: dict, divide_b
             for _ in range(batches_per_rank[rank]):
                 x = torch.randn(8, 64, generator=generator).to(rank_device())
                 y = torch.randint(10, (8,), generator=generator).to(rank_device())
-                optimizer.zero_grad()
-                F.cross_entropy(ddp(x), y).backward()
-                optimizer.step()
+                train_step(ddp, optimizer, x, y)
         print(f"finished {batches_per_rank[rank]} batches")
         dist.barrier()  # everyone waits for everyone, e.g. before rank 0 saves a checkpoint (chapter 05)
     except RuntimeError as error:  # say what went wrong on *this* rank, then fail as before
@@ -275,9 +266,7 @@ def unused_branch(x, y, find_unused_parameters: bool, steps: int = 2) -> dict:
     optimizer = torch.optim.SGD(ddp.parameters(), lr=0.1)
     xs, ys, _ = my_share(x, y)
     for step in range(steps):
-        optimizer.zero_grad()
-        F.cross_entropy(ddp(xs), ys).backward()
-        optimizer.step()
+        train_step(ddp, optimizer, xs, ys)
         print(f"step {step} done")
     return {"aux_grad_is_none": ddp.module.aux.weight.grad is None, "params": params_of(ddp.module)}
 
@@ -449,9 +438,7 @@ def throughput_run(x, y, global_batch: int, steps: int, model_kwargs: dict, lr: 
     for step in range(steps):
         lo = (step % batches) * global_batch
         xs, ys, index = my_share(x[lo : lo + global_batch], y[lo : lo + global_batch])
-        optimizer.zero_grad()
-        F.cross_entropy(ddp(xs), ys).backward()
-        optimizer.step()
+        train_step(ddp, optimizer, xs, ys)
     seconds = clock() - start
     return {
         "samples": steps * len(index),
@@ -560,10 +547,7 @@ def train_with_loader(
             for images, labels, pids in loader:
                 images = images.to(device, non_blocking=True)
                 labels = labels.to(device, non_blocking=True)
-                optimizer.zero_grad()
-                loss = F.cross_entropy(ddp(images), labels)
-                loss.backward()
-                optimizer.step()
+                loss = train_step(ddp, optimizer, images, labels)
                 loader_pids.update(tuple(pair) for pair in pids.tolist())
                 losses.append(loss.item())
                 bar.set_postfix(epoch=epoch, loss=f"{loss.item():.3f}", refresh=False)

@@ -12,7 +12,6 @@ script under its own launcher, in a subprocess (``run_script``): the scripts liv
 
 from __future__ import annotations
 
-import contextlib
 import importlib.metadata
 import json
 import os
@@ -27,8 +26,12 @@ import torch.distributed as dist
 from torch import nn
 from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
 
+from .common.datasets import digits
+from .common.models import mlp
+from .common.training import global_mean, train_step, wrap_ddp
 from .runtime import hardware
 from .runtime.hardware import rank_device
+from .runtime.processes import package_env, stop_trees
 
 BATCH = 32  # samples per rank per step
 LR = 1e-2
@@ -49,8 +52,6 @@ def task_data(steps: int, world_size: int = WORLD_SIZE, batch_size: int = BATCH)
     library other data. Built once in the notebook and handed to every run, which also
     spares each rank the import of scikit-learn.
     """
-    from .checkpoints import digits
-
     x, y = digits()
     order = torch.randperm(len(x), generator=torch.Generator().manual_seed(0))
     n = steps * world_size * batch_size
@@ -61,9 +62,9 @@ def task_data(steps: int, world_size: int = WORLD_SIZE, batch_size: int = BATCH)
 
 
 def make_model() -> nn.Module:
-    """A small MLP; no dropout, so that no library's random numbers change the result."""
-    torch.manual_seed(0)  # the same initial weights in every version
-    return nn.Sequential(nn.Linear(64, 64), nn.ReLU(), nn.Linear(64, 10))
+    """A small MLP, the same initial weights in every version; no dropout, so that no
+    library's random numbers change the result."""
+    return mlp(width=64, seed=0)
 
 
 def make_optimizer(params) -> torch.optim.Optimizer:
@@ -111,24 +112,16 @@ def load_result(path) -> dict:
 
 def ddp_train(data) -> dict:
     """Rank function: the task with DistributedDataParallel and a DistributedSampler."""
-    from torch.nn.parallel import DistributedDataParallel as DDP
-
-    device, world_size = rank_device(), dist.get_world_size()
-    model = make_model().to(device)
-    ddp = DDP(model, device_ids=[device.index] if device.type == "cuda" else None)
+    device, model = rank_device(), make_model()
+    ddp = wrap_ddp(model, device)
     optimizer = make_optimizer(ddp.parameters())
     dataset = TensorDataset(*data)
     loader = DataLoader(dataset, batch_size=BATCH, sampler=DistributedSampler(dataset, shuffle=False))
     losses, first = [], None
     for x, y, index in loader:
         first = index.tolist() if first is None else first
-        loss = nn.functional.cross_entropy(ddp(x.to(device)), y.to(device))
-        optimizer.zero_grad()
-        loss.backward()
-        optimizer.step()
-        mean = loss.detach().clone()
-        dist.all_reduce(mean)  # sum over ranks...
-        losses.append(mean.item() / world_size)  # ...divided: the loss of the global batch
+        loss = train_step(ddp, optimizer, x.to(device), y.to(device))
+        losses.append(global_mean(loss))  # the loss of the global batch
     return record("ddp", losses, model, rank_facts(first))
 
 
@@ -139,11 +132,7 @@ def reference_train(data, world_size: int = WORLD_SIZE) -> dict:
     loader = DataLoader(TensorDataset(*data), batch_size=world_size * BATCH, shuffle=False)
     losses = []
     for x, y, _ in loader:
-        loss = nn.functional.cross_entropy(model(x), y)
-        optimizer.zero_grad()
-        loss.backward()
-        optimizer.step()
-        losses.append(loss.item())
+        losses.append(train_step(model, optimizer, x, y).item())
     return record("reference", losses, model, [])
 
 
@@ -166,11 +155,9 @@ def version(package: str):
 
 
 def _environment(library: str) -> dict:
-    env = dict(os.environ)
+    env = package_env()  # so the scripts import this package
     if library == "deepspeed" and hardware.gpu_count() < WORLD_SIZE:
         env["DS_ACCELERATOR"] = "cpu"  # else DeepSpeed would put both ranks on a single GPU, if there is one
-    code_dir = str(pathlib.Path(__file__).resolve().parents[1])  # so the scripts import this package
-    env["PYTHONPATH"] = os.pathsep.join(p for p in (code_dir, env.get("PYTHONPATH")) if p)
     # One intra-op thread per rank per core, as distcourse.launch does (no oversubscription).
     env["OMP_NUM_THREADS"] = str(hardware.threads_per_rank(WORLD_SIZE))
     env["PYTHONWARNINGS"] = "ignore"  # library deprecation chatter; errors still show
@@ -215,11 +202,12 @@ def run_script(library: str, data, *, extra_args=(), timeout: float = 120.0, env
         try:
             log, _ = process.communicate(timeout=timeout)
         except subprocess.TimeoutExpired:
-            _stop_tree(process)
+            stop_trees([process.pid], grace=3.0)
             log, _ = process.communicate()
             raise TimeoutError(f"{library} run did not finish in {timeout:g} s; its log:\n{log}") from None
         except BaseException:  # an interrupted cell: no rank may outlive it
-            _stop_tree(process)
+            stop_trees([process.pid], grace=3.0)
+            process.wait()
             raise
         seconds = time.perf_counter() - started
         ours = [line for line in log.splitlines() if line.startswith("[rank ")]
@@ -233,30 +221,6 @@ def run_script(library: str, data, *, extra_args=(), timeout: float = 120.0, env
         result = load_result(out)
     result.update(seconds=seconds, log=log, command=command)
     return result
-
-
-def _stop_tree(process, grace: float = 3.0) -> None:
-    """Stop a launcher and every process under it: SIGTERM first, SIGKILL after ``grace`` seconds.
-
-    The tree is listed before anything is stopped: torchrun starts each rank in a session
-    of its own, so the ranks are neither in the launcher's process group nor, once the
-    launcher is gone, findable as its children.
-    """
-    import psutil
-
-    try:
-        root = psutil.Process(process.pid)
-        tree = [root, *root.children(recursive=True)]
-    except psutil.NoSuchProcess:
-        return
-    for p in tree:
-        with contextlib.suppress(psutil.NoSuchProcess):
-            p.terminate()
-    _, alive = psutil.wait_procs(tree, timeout=grace)
-    for p in alive:
-        with contextlib.suppress(psutil.NoSuchProcess):
-            p.kill()
-    psutil.wait_procs(alive, timeout=grace)
 
 
 # --------------------------------------------------------------------------------------

@@ -26,7 +26,8 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
-from .data_parallel import digits_batch
+from .common.datasets import digits_batch
+from .common.timing import clock
 from .runtime.hardware import gpu_count, rank_device
 
 # --------------------------------------------------------------------------------------
@@ -143,12 +144,6 @@ def split_vs_whole(batch_size: int = 64, seed: int = 0, **model_kwargs) -> dict:
 # --------------------------------------------------------------------------------------
 # 2. A GPipe step by hand: one stage per rank, activations sent with isend/irecv
 # --------------------------------------------------------------------------------------
-
-
-def clock(device: torch.device) -> float:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)  # GPU work is asynchronous: wait before reading the clock
-    return time.perf_counter()
 
 
 def _in_features(stage: nn.Module) -> int:

@@ -20,10 +20,11 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
 from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
-from torch.nn.parallel import DistributedDataParallel as DDP
 
+from .common.timing import clock
+from .common.training import wrap_ddp
+from .model_parallel import two_stage_model
 from .runtime.hardware import rank_device
-from .model_parallel import clock, two_stage_model
 
 SCHEDULES = {"GPipe": ScheduleGPipe, "1F1B": Schedule1F1B}
 
@@ -125,7 +126,7 @@ def ddp_pipeline_step(model_kwargs: dict, x, y, n_micro: int, lr: float = 0.1) -
     index, replica = rank % 2, rank // 2
     pipeline_group, dp_group = _grid_groups(world)
     module = two_stage_model(**model_kwargs)[index].to(device)
-    ddp = DDP(module, process_group=dp_group, device_ids=[device.index] if device.type == "cuda" else None)
+    ddp = wrap_ddp(module, device, process_group=dp_group)
     all_reduces = []
 
     def counted_all_reduce(group, bucket):  # DDP's default all-reduce, counted

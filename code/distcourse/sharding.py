@@ -21,6 +21,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from .common.models import mlp
+from .common.training import wrap_ddp
 from .runtime.hardware import rank_device
 
 # Bytes per parameter for Adam. Mixed precision (ZeRO paper): 16-bit weights and gradients
@@ -82,9 +84,7 @@ def placement(num_params: int, world_size: int, stage: int, *, offload_optimizer
 
 def make_model(hidden: int = 256) -> nn.Module:
     """An MLP for 8x8 digit images; every weight's first dimension is even, so 2 ranks split it exactly."""
-    torch.manual_seed(0)  # the same initial weights in every rank and in the reference
-    return nn.Sequential(nn.Linear(64, hidden), nn.ReLU(), nn.Linear(hidden, hidden), nn.ReLU(),
-                         nn.Linear(hidden, 10))
+    return mlp(width=hidden, depth=2, seed=0)  # the same initial weights in every rank and in the reference
 
 
 def _local(t: torch.Tensor) -> torch.Tensor:
@@ -160,18 +160,16 @@ def _one_step(model, optimizer, device) -> None:
 def measure_memory(strategies=("ddp", "zero1", "fsdp")) -> dict:
     """Rank function: for each strategy, one Adam step on a fresh model, then count bytes."""
     from torch.distributed.optim import ZeroRedundancyOptimizer
-    from torch.nn.parallel import DistributedDataParallel as DDP
 
     device = rank_device()
-    ids = [device.index] if device.type == "cuda" else None
     report = {}
     for strategy in strategies:
         model = make_model().to(device)
         if strategy == "ddp":
-            wrapped = DDP(model, device_ids=ids)
+            wrapped = wrap_ddp(model, device)
             optimizer = torch.optim.Adam(wrapped.parameters(), lr=1e-3)
         elif strategy == "zero1":  # DDP for the gradients, optimizer state sharded: ZeRO stage 1
-            wrapped = DDP(model, device_ids=ids)
+            wrapped = wrap_ddp(model, device)
             optimizer = ZeroRedundancyOptimizer(wrapped.parameters(), optimizer_class=torch.optim.Adam, lr=1e-3)
         elif strategy == "fsdp":
             wrapped = shard_model(model)

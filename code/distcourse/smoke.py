@@ -3,8 +3,9 @@
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.nn.parallel import DistributedDataParallel as DDP
 
+from .common.models import mlp
+from .common.training import wrap_ddp
 from .runtime.hardware import rank_device
 
 
@@ -15,9 +16,8 @@ def ddp_step(seed: int = 0, batch_size: int = 8):
     parameters after the step (identical, because DDP averaged the gradients).
     """
     rank, device = dist.get_rank(), rank_device()
-    torch.manual_seed(seed)  # same initial weights everywhere (DDP also broadcasts rank 0's)
-    model = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 1)).to(device)
-    ddp = DDP(model, device_ids=[device.index] if device.type == "cuda" else None)
+    model = mlp(width=16, inputs=8, outputs=1, seed=seed)  # same weights everywhere (DDP also broadcasts rank 0's)
+    ddp = wrap_ddp(model, device)
     optimizer = torch.optim.SGD(ddp.parameters(), lr=0.1)
 
     generator = torch.Generator().manual_seed(1000 + rank)  # a different shard of data per rank

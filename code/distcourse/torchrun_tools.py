@@ -18,7 +18,6 @@ import json
 import os
 import pathlib
 import re
-import signal
 import socket
 import subprocess
 import sys
@@ -26,7 +25,9 @@ import tempfile
 import time
 from dataclasses import dataclass, field
 
-PACKAGE_PARENT = str(pathlib.Path(__file__).resolve().parents[1])  # the folder holding distcourse/
+from .runtime.processes import group_alive as group_alive  # chapter 07 checks teardown with it
+from .runtime.processes import package_env, stop_trees
+
 RANK_LINE = re.compile(r"^\[rank (\d+)\] (.*)$")
 
 
@@ -64,11 +65,7 @@ def torchrun(*launcher_args: str, module: str = "distcourse.train", script_args=
 
 def child_env(threads: int = 1, **extra: str) -> dict[str, str]:
     """The environment for launched processes: one intra-op thread each, and distcourse importable."""
-    env = dict(os.environ)
-    path = [PACKAGE_PARENT] + [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p]
-    env.update(PYTHONPATH=os.pathsep.join(path), OMP_NUM_THREADS=str(threads), PYTHONUNBUFFERED="1")
-    env.update(extra)
-    return env
+    return package_env(OMP_NUM_THREADS=str(threads), PYTHONUNBUFFERED="1", **extra)
 
 
 @dataclass
@@ -198,67 +195,14 @@ def _read(f) -> str:
 # --------------------------------------------------------------------------------------
 
 
-def descendants(pid: int) -> list:
-    """Every process started, directly or not, by ``pid`` (psutil.Process objects)."""
-    try:
-        import psutil
-    except ImportError:  # without psutil only the process group can be signalled
-        return []
-    try:
-        return psutil.Process(pid).children(recursive=True)
-    except psutil.NoSuchProcess:
-        return []
-
-
 def stop(proc: subprocess.Popen, grace: float = 2.0) -> None:
-    """SIGTERM the agent's group and every descendant, SIGKILL what is left after ``grace`` s.
+    """Stop an agent, its process group and every descendant (``runtime/processes.py``), then reap it.
 
-    SIGTERM first: a torchrun agent catches it and stops its workers itself. The
-    descendants are listed before anything is signalled, while the agent is still their
-    parent; once it is gone they would be orphans, invisible from here.
+    SIGTERM first: a torchrun agent catches it and stops its workers itself; SIGKILL after
+    ``grace`` seconds for whatever is left.
     """
-    family = descendants(proc.pid)
-    if proc.poll() is not None and not family:
-        return
-    _signal(proc, family, signal.SIGTERM)
-    deadline = time.monotonic() + grace
-    while time.monotonic() < deadline and (proc.poll() is None or any(_alive(p) for p in family)):
-        time.sleep(0.05)
-    _signal(proc, family, signal.SIGKILL)
+    stop_trees([proc.pid], grace=grace)
     proc.wait()
-    deadline = time.monotonic() + 5  # SIGKILL cannot be ignored; this only waits for the kernel
-    while time.monotonic() < deadline and any(_alive(p) for p in family):
-        time.sleep(0.02)
-
-
-def _signal(proc, family, sig) -> None:
-    try:
-        os.killpg(proc.pid, sig)  # the agent's session: the agent and anything it did not detach
-    except (ProcessLookupError, PermissionError):
-        pass
-    for p in family:  # workers: torchrun gives each its own session
-        try:
-            p.send_signal(sig)  # psutil checks the PID still belongs to the same process
-        except Exception:
-            pass
-
-
-def _alive(p) -> bool:
-    try:
-        return p.is_running() and p.status() != "zombie"
-    except Exception:
-        return False
-
-
-def group_alive(pgid: int) -> bool:
-    """Whether any process of process group ``pgid`` still exists."""
-    try:
-        os.killpg(pgid, 0)
-        return True
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
 
 
 # --------------------------------------------------------------------------------------

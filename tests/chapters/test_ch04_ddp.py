@@ -43,6 +43,35 @@ def test_spawn_script_trains_one_rank_in_process(monkeypatch, capsys):
     assert ddp_spawn_example.ToyModel()(torch.randn(3, 10)).shape == (3, 5)
 
 
+def record_rank_setup(monkeypatch, accelerator, count):
+    """Stand-ins for the accelerator and init_process_group that log the calls in order."""
+    calls = []
+    monkeypatch.setattr(torch.accelerator, "current_accelerator", lambda *args, **kwargs: accelerator)
+    monkeypatch.setattr(torch.accelerator, "device_count", lambda: count)
+    monkeypatch.setattr(torch.accelerator, "set_device_index", lambda index: calls.append(("set_device", index)))
+    monkeypatch.setattr(
+        torch.distributed, "init_process_group", lambda backend, **kwargs: calls.append(("init", backend, kwargs))
+    )
+    return calls
+
+
+def test_spawn_script_binds_each_rank_to_its_gpu_before_joining(monkeypatch):
+    calls = record_rank_setup(monkeypatch, torch.device("cuda"), count=2)
+    device = ddp_spawn_example.rank_device(1, 2)
+    assert device == torch.device("cuda", 1)
+    assert ddp_spawn_example.join_group(1, 2, device) == "nccl"
+    assert [call[0] for call in calls] == ["set_device", "init"] and calls[0] == ("set_device", 1)
+    assert calls[1][2]["device_id"] == torch.device("cuda", 1) and calls[1][2]["rank"] == 1
+
+
+def test_spawn_script_joins_without_device_id_on_the_cpu(monkeypatch):
+    calls = record_rank_setup(monkeypatch, torch.device("cuda"), count=1)  # fewer GPUs than ranks
+    device = ddp_spawn_example.rank_device(1, 2)
+    assert device == torch.device("cpu")
+    assert ddp_spawn_example.join_group(1, 2, device) == "gloo"
+    assert len(calls) == 1 and calls[0][:2] == ("init", "gloo") and "device_id" not in calls[0][2]
+
+
 def test_sampler_shards_are_disjoint_and_set_epoch_reshuffles():
     orders = distcourse.launch(
         ddp.sampler_demo, 2, args=({"fixed": dict(size=10, set_epoch=False), "moving": dict(size=11)},), quiet=True

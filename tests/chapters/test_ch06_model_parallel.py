@@ -115,6 +115,58 @@ def test_plot_schedule_draws_one_bar_per_event():
     plt.close(fig)
 
 
+# --- 2. timing a pipeline on a GPU, checked without one ----------------------------------
+
+
+class _Stream:
+    """Stands in for a CUDA stream: records which device's stream was waited for."""
+
+    def __init__(self, device, waited: list):
+        self.device, self.waited = device, waited
+
+    def synchronize(self):
+        self.waited.append(self.device)
+
+
+@pytest.fixture
+def fake_cuda(monkeypatch):
+    """``torch.cuda`` whose device-wide synchronize fails the test and whose streams record waits.
+
+    A device-wide synchronize would also wait for the irecvs that stage 1 posts up front
+    (NCCL runs them on streams of its own), so the timeline would show no overlap.
+    """
+    waited = []
+
+    def device_wide(*args, **kwargs):
+        raise AssertionError("torch.cuda.synchronize() waits for NCCL's pending receives too")
+
+    monkeypatch.setattr(torch.cuda, "synchronize", device_wide)
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: _Stream(device, waited))
+    return waited
+
+
+def test_pipeline_clocks_wait_for_the_compute_stream_only(fake_cuda):
+    gpu = torch.device("cuda", 1)
+    before = time.perf_counter()
+    assert model_parallel.clock(gpu) >= before
+    assert fake_cuda == [gpu]
+
+
+def test_recorded_pipeline_stages_wait_for_the_compute_stream_only(fake_cuda):
+    class Stage:  # the two methods the schedules call, doing nothing
+        def forward_one_chunk(self, i):
+            return f"F{i}"
+
+        def backward_one_chunk(self, i):
+            return f"B{i}"
+
+    stage, events, gpu = Stage(), [], torch.device("cuda", 1)
+    pipeline._record(stage, events, gpu)
+    assert (stage.forward_one_chunk(0), stage.backward_one_chunk(0)) == ("F0", "B0")
+    assert [event[:2] for event in events] == [("F", 0), ("B", 0)]
+    assert fake_cuda == [gpu] * 4  # before and after each forward and backward
+
+
 # --- 2., 4., 5. real processes -------------------------------------------------------------
 
 

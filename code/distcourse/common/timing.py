@@ -20,9 +20,18 @@ import time
 
 import torch
 
+Devices = torch.device | str | None | list | tuple
 
-def wait_for_compute(device: torch.device | str | None = None) -> None:
-    """Wait until the compute already queued on ``device``'s current stream has run."""
+
+def wait_for_compute(device: Devices = None) -> None:
+    """Wait until the compute already queued on ``device``'s current stream has run.
+
+    ``device`` may also be a list: one process that drives several GPUs waits for each.
+    """
+    if isinstance(device, (list, tuple)):
+        for one in dict.fromkeys(map(str, device)):  # each device once, in order
+            wait_for_compute(one)
+        return
     device = torch.device(device) if device is not None else None
     if device is not None and device.type == "cuda":
         torch.cuda.current_stream(device).synchronize()
@@ -32,7 +41,7 @@ def wait_for_compute(device: torch.device | str | None = None) -> None:
             accelerator.synchronize()
 
 
-def clock(device: torch.device | str | None = None) -> float:
+def clock(device: Devices = None) -> float:
     """``time.perf_counter()`` after the compute queued on ``device`` has finished."""
     wait_for_compute(device)
     return time.perf_counter()
@@ -41,7 +50,7 @@ def clock(device: torch.device | str | None = None) -> float:
 class Stopwatch:
     """Adds up the seconds spent in named phases: ``with watch("backward"): ...``."""
 
-    def __init__(self, device: torch.device | str | None = None):
+    def __init__(self, device: Devices = None):
         self.device = device
         self.seconds: dict[str, float] = {}
 
@@ -63,11 +72,16 @@ class _Phase:
         return False
 
 
-def best_of(fn, repeats: int = 3, device: torch.device | str | None = None) -> float:
-    """The fastest of ``repeats`` timed calls of ``fn()`` (the least disturbed by the machine)."""
+def best_of(fn, repeats: int = 3, device: Devices = None, *, warmup: int = 0, setup=None) -> float:
+    """The fastest of ``repeats`` timed calls of ``fn()`` (the least disturbed by the machine).
+
+    ``warmup`` calls run first, untimed (allocations, connections). ``setup``, if given, runs
+    untimed before every call and its result is passed to ``fn``: a fresh buffer, a barrier.
+    """
     times = []
-    for _ in range(max(1, repeats)):
+    for _ in range(warmup + max(1, repeats)):
+        args = () if setup is None else (setup(),)
         start = clock(device)
-        fn()
+        fn(*args)
         times.append(clock(device) - start)
-    return min(times)
+    return min(times[warmup:])

@@ -48,24 +48,43 @@ def checksum(model: nn.Module) -> float:
     return sum(p.detach().double().sum().item() for p in model.parameters())
 
 
+def rank_device(rank: int, world_size: int) -> torch.device:
+    """This rank's accelerator (a CUDA GPU, or XPU, MPS...) if there is one per rank, else the CPU."""
+    accelerator = torch.accelerator.current_accelerator()
+    if accelerator is not None and torch.accelerator.device_count() >= world_size:
+        return torch.device(accelerator.type, rank)
+    return torch.device("cpu")
+
+
+def join_group(rank: int, world_size: int, device: torch.device) -> str:
+    """Join the process group with the backend that suits ``device``; returns the backend."""
+    backend = dist.get_default_backend_for_device(device)  # nccl for CUDA, gloo for the CPU
+    options = {}
+    if device.type != "cpu":
+        # First: NCCL and the caching allocator start on the current GPU, which is GPU 0 until
+        # set otherwise; every rank would then put a context (and its memory) on GPU 0.
+        torch.accelerator.set_device_index(device.index)
+        options["device_id"] = device  # binds the group to this GPU at once (refused on the CPU)
+    # An explicit timeout: by default a stuck rank would wait 10 to 30 minutes.
+    timeout = datetime.timedelta(seconds=60)
+    dist.init_process_group(backend, rank=rank, world_size=world_size, timeout=timeout, **options)
+    return backend
+
+
 def train(rank: int, world_size: int, port: int) -> None:
     """What every rank runs; mp.spawn passes the rank as the first argument."""
     os.environ["MASTER_ADDR"] = "127.0.0.1"  # rank 0 listens here, the others connect
     os.environ["MASTER_PORT"] = str(port)
     # gloo connects over the interface the hostname resolves to; on one machine, use loopback
     os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo0" if sys.platform == "darwin" else "lo")
-    use_gpu = torch.cuda.device_count() >= world_size
-    backend = "nccl" if use_gpu else "gloo"
-    # An explicit timeout: by default a stuck rank would wait 10 to 30 minutes.
-    dist.init_process_group(backend, rank=rank, world_size=world_size, timeout=datetime.timedelta(seconds=60))
+    device = rank_device(rank, world_size)
+    backend = join_group(rank, world_size, device)
     try:
-        device = torch.device("cuda", rank) if use_gpu else torch.device("cpu")
-        if use_gpu:
-            torch.cuda.set_device(device)
         torch.manual_seed(rank)  # different initial weights on every rank...
         model = ToyModel().to(device)
         before = checksum(model)
-        ddp = DDP(model, device_ids=[rank] if use_gpu else None)  # ...until DDP broadcasts rank 0's
+        ids = [device.index] if device.type != "cpu" else None  # the one device this rank drives
+        ddp = DDP(model, device_ids=ids)  # ...until DDP broadcasts rank 0's
         wrapped = checksum(model)
 
         optimizer = torch.optim.SGD(ddp.parameters(), lr=0.01)

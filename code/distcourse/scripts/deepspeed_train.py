@@ -9,6 +9,8 @@ the gradient averaging and the ZeRO sharding: the loop calls ``engine(x)``,
 ``engine.backward(loss)`` and ``engine.step()``.
 """
 
+import os
+
 import distcourse  # noqa: F401
 import deepspeed
 import torch
@@ -17,6 +19,7 @@ from torch import nn
 from torch.utils.data import DataLoader, DistributedSampler
 
 from distcourse import libraries
+from distcourse.common.training import global_mean
 
 
 def config(stage: int) -> dict:
@@ -52,8 +55,11 @@ def full_weights(engine, stage: int) -> dict:
 
 def main():
     args = libraries.script_arguments()
-    on_gpus = torch.cuda.device_count() >= libraries.WORLD_SIZE
-    if not on_gpus:
+    on_gpus = torch.accelerator.device_count() >= libraries.WORLD_SIZE
+    if on_gpus:
+        # Before the process group: NCCL starts on the current GPU, GPU 0 unless set otherwise.
+        get_accelerator().set_device(int(os.environ["LOCAL_RANK"]))
+    else:
         skip_cpu_kernel_build()
     deepspeed.init_distributed(dist_backend="nccl" if on_gpus else "gloo")
     ready = libraries.seconds_since_start()
@@ -69,9 +75,7 @@ def main():
         loss = nn.functional.cross_entropy(engine(x.to(engine.device)), y.to(engine.device))
         engine.backward(loss)  # averages the gradients over the ranks (reduce-scatter from stage 2 on)
         engine.step()  # optimizer step on this rank's partition, then zeroes the gradients
-        mean = loss.detach().clone()
-        torch.distributed.all_reduce(mean)
-        losses.append(mean.item() / world_size)  # the global batch's loss
+        losses.append(global_mean(loss))  # the global batch's loss
     ranks = libraries.rank_facts(first)
     weights = full_weights(engine, args.zero_stage)
     backend = torch.distributed.get_backend()
