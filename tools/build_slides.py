@@ -26,6 +26,9 @@ from nbclient import NotebookClient
 from nbconvert import SlidesExporter
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "code"))  # this checkout's package, whether installed or not
+from distcourse.runtime import languages  # noqa: E402
+
 NODE_MODULES = ROOT / "node_modules"
 TEMPLATES = ROOT / "tools" / "slides_template"
 # What the decks load, copied from node_modules (MathJax without its unpacked
@@ -94,7 +97,7 @@ def build(notebook: pathlib.Path, out: pathlib.Path, execute: bool) -> tuple[pat
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--lang", action="append", help="language folder(s), default: all")
+    parser.add_argument("--lang", action="append", choices=languages.CODES, help="language folder(s), default: all")
     parser.add_argument("--chapter", default="", help="only chapters whose file name starts with this")
     parser.add_argument("--out", type=pathlib.Path, default=ROOT / "_build" / "slides")
     parser.add_argument("--no-execute", action="store_true", help="do not run the notebooks first")

@@ -8,6 +8,7 @@ Loaded through ``sphinx.local_extensions`` in ``_config.yml``.
   notice is decided when the page is built, not when it was translated).
 * ``{translation-status}`` renders the chapter x language table (current / behind / missing).
 * ``{course-glossary}`` renders ``assets/glossary.yml`` as a table.
+* Chapter pages carry their own language in ``<html lang>`` (from the registry of languages).
 * The search index splits Chinese, Japanese and Korean text into overlapping
   two-character pieces, in the index and in the query, so that a search for a
   CJK word finds pages in every language (Sphinx's own English splitter would
@@ -26,24 +27,14 @@ from sphinx.search.en import SearchEnglish
 from sphinx.util.docutils import SphinxDirective
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT / "tools"))
-import headers  # noqa: E402
+sys.path[:0] = [str(ROOT / "tools"), str(ROOT / "code")]
 import translations  # noqa: E402
+from distcourse.runtime import languages  # noqa: E402
 
 CHAPTER = re.compile(r"^chapters/(?P<lang>[^/]+)/(?P<name>\d\d-[^/]+)$")
 
-NOTICE = {  # title, current, behind
-    "ru": ("Перевод", "Это перевод английской главы «{title}». Перевод актуален: английский текст с тех пор не менялся.",
-           "Это перевод английской главы «{title}». Английский текст изменился после перевода (версия {was}, сейчас {now}); отличия смотрите в оригинале."),
-    "zh-CN": ("译文", "本页译自英文章节《{title}》。译文与英文同步：英文自翻译以来没有改动。",
-              "本页译自英文章节《{title}》。英文在翻译之后有改动（译自版本 {was}，当前版本 {now}），请对照英文原文。"),
-    "zh-TW": ("譯文", "本頁譯自英文章節《{title}》。譯文與英文同步：英文自翻譯以來沒有變動。",
-              "本頁譯自英文章節《{title}》。英文在翻譯之後有變動（譯自版本 {was}，目前版本 {now}），請對照英文原文。"),
-    "pt-BR": ("Tradução", "Esta página é uma tradução do capítulo em inglês “{title}”. A tradução está em dia: o texto em inglês não mudou desde então.",
-              "Esta página é uma tradução do capítulo em inglês “{title}”. O texto em inglês mudou depois da tradução (versão {was}, agora {now}); confira o original."),
-    "ko": ("번역", "이 페이지는 영어 장 “{title}”을 번역한 것입니다. 번역은 최신 상태입니다. 번역 이후 영어 원문이 바뀌지 않았습니다.",
-           "이 페이지는 영어 장 “{title}”을 번역한 것입니다. 번역 이후 영어 원문이 바뀌었습니다(번역 기준 {was}, 현재 {now}). 원문을 함께 확인하세요."),
-}
+# Title, text while the translation is current, text once the English has changed: per language.
+NOTICE = {lang.code: lang.notice for lang in languages.TRANSLATED}
 
 
 def english_title(nb) -> str:
@@ -75,6 +66,17 @@ def add_translation_notice(app, doctree) -> None:
         section.insert(1, notice)   # right after the chapter title
 
 
+def set_page_language(app, pagename, templatename, context, doctree) -> None:
+    """``<html lang>`` of a page under ``chapters/<code>/``: its own language, not the book's.
+
+    Screen readers pick their voice by it, browsers their fonts (Simplified and Traditional
+    Chinese differ in glyphs), search engines their audience.
+    """
+    parts = pagename.split("/")
+    if len(parts) > 2 and parts[0] == "chapters" and parts[1] in languages.BY_CODE:
+        context["language"] = languages.BY_CODE[parts[1]].html
+
+
 class TranslationStatus(SphinxDirective):
     """The chapter x language table, computed from the notebooks at build time."""
 
@@ -82,13 +84,13 @@ class TranslationStatus(SphinxDirective):
         for path in (ROOT / "chapters").glob("*/[0-9][0-9]-*.ipynb"):
             self.env.note_dependency(str(path))
         rows = translations.status(ROOT)
-        languages = translations.TRANSLATED
+        translated = languages.TRANSLATED
         marks = {"current": "✅ current", "behind": "⚠️ behind", "missing": "❌ missing"}
-        lines = ["| chapter | " + " | ".join(headers.LANGUAGES[lang] for lang in languages) + " |",
-                 "|---|" + "---|" * len(languages)]
+        lines = ["| chapter | " + " | ".join(lang.name for lang in translated) + " |",
+                 "|---|" + "---|" * len(translated)]
         for english_path in translations.english_chapters(ROOT):
             cells = []
-            for lang in languages:
+            for lang in (lang.code for lang in translated):
                 row = next(r for r in rows if r["chapter"] == english_path.stem and r["language"] == lang)
                 mark = marks[row["state"]] + (" (code differs)" if row["code"] else "")
                 cells.append(mark if row["state"] == "missing" else f"[{mark}](chapters/{lang}/{english_path.name})")
@@ -106,7 +108,8 @@ class CourseGlossary(SphinxDirective):
 
     def run(self):
         self.env.note_dependency(str(translations.GLOSSARY))
-        lines = ["| " + " | ".join(headers.LANGUAGES.values()) + " |", "|---" * len(headers.LANGUAGES) + "|"]
+        lines = ["| " + " | ".join(lang.name for lang in languages.LANGUAGES) + " |",
+                 "|---" * len(languages.LANGUAGES) + "|"]
         for term in translations.glossary():
             cells = [term["en"][0]] + [
                 " / ".join(term[lang]) if isinstance(term[lang], list) else term[lang] for lang in translations.TRANSLATED]
@@ -165,6 +168,7 @@ function splitQuery(query) {
 def setup(app):
     app.add_search_language(CourseSearch)
     app.connect("doctree-read", add_translation_notice)
+    app.connect("html-page-context", set_page_language)
     app.add_directive("translation-status", TranslationStatus)
     app.add_directive("course-glossary", CourseGlossary)
     return {"parallel_read_safe": True, "parallel_write_safe": True, "version": "1"}

@@ -26,29 +26,10 @@ import nbformat
 import yaml
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
-LANGUAGES = {  # folder: name of the language in that language
-    "en": "English",
-    "ru": "Русский",
-    "zh-CN": "简体中文",
-    "zh-TW": "繁體中文",
-    "pt-BR": "Português (Brasil)",
-    "ko": "한국어",
-}
-OTHER_LANGUAGES_LABEL = {
-    "en": "Other languages",
-    "ru": "Другие языки",
-    "zh-CN": "其他语言",
-    "zh-TW": "其他語言",
-    "pt-BR": "Outros idiomas",
-    "ko": "다른 언어",
-}
-TRANSLATION_NOTE = {  # {english}: link to the English chapter; {status}: the status page
-    "ru": "*Это перевод [английской версии главы]({english}). Актуален ли перевод, показывает [страница статуса переводов]({status}).*",
-    "zh-CN": "*本章译自[英文原版]({english})。译文是否与英文同步，请见[翻译状态页]({status})。*",
-    "zh-TW": "*本章譯自[英文原版]({english})。譯文是否與英文同步，請見[翻譯狀態頁]({status})。*",
-    "pt-BR": "*Este capítulo é uma tradução do [original em inglês]({english}). Veja na [página de status das traduções]({status}) se ela está em dia.*",
-    "ko": "*이 장은 [영어 원문]({english})을 번역한 것입니다. 번역이 최신인지는 [번역 현황 페이지]({status})에서 확인할 수 있습니다.*",
-}
+sys.path.insert(0, str(ROOT / "code"))  # this checkout's package, whether installed or not
+from distcourse.runtime import languages  # noqa: E402  (the registry of languages)
+
+LANGUAGES = {lang.code: lang.name for lang in languages.LANGUAGES}  # folder: the language's name for itself
 BADGE = "https://colab.research.google.com/assets/colab-badge.svg"
 
 # In Colab: clone the course next to the notebook and install the companion package
@@ -97,17 +78,18 @@ def colab_url(notebook: pathlib.Path, root: pathlib.Path = ROOT) -> str:
 
 
 def header_markdown(notebook: pathlib.Path, title: str, root: pathlib.Path = ROOT) -> str:
-    lang = notebook.parent.name
+    lang = languages.get(notebook.parent.name)
     lines = [title, "", f"[![Open In Colab]({BADGE})]({colab_url(notebook, root)})"]
     links = [
         f"[{name}](../{other}/{notebook.name})"
         for other, name in LANGUAGES.items()
-        if other != lang and (root / "chapters" / other / notebook.name).exists()
+        if other != lang.code and (root / "chapters" / other / notebook.name).exists()
     ]
     if links:
-        lines += ["", f"**{OTHER_LANGUAGES_LABEL[lang]}:** " + " · ".join(links)]
-    if lang in TRANSLATION_NOTE:
-        lines += ["", TRANSLATION_NOTE[lang].format(english=f"../en/{notebook.name}", status="../../translation-status.md")]
+        lines += ["", f"**{lang.other_languages}:** " + " · ".join(links)]
+    if lang.translation_note:
+        note = lang.translation_note.format(english=f"../en/{notebook.name}", status="../../translation-status.md")
+        lines += ["", note]
     return "\n".join(lines)
 
 

@@ -40,9 +40,10 @@ import yaml
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "tools"))
-import headers  # noqa: E402
+import headers  # noqa: E402  (it also makes this checkout's distcourse importable)
+from distcourse.runtime import languages  # noqa: E402
 
-TRANSLATED = [lang for lang in headers.LANGUAGES if lang != "en"]
+TRANSLATED = [lang.code for lang in languages.TRANSLATED]
 GLOSSARY = ROOT / "assets" / "glossary.yml"
 HEADER, SETUP = 0, 1  # cells written by tools/headers.py
 SECTION = re.compile(r"^%%% (title|markdown|code)(?: (\S+))?\s*$", re.M)
@@ -373,7 +374,7 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = parser.add_subparsers(dest="command", required=True)
     p = sub.add_parser("extract", help="print the work file of a chapter")
-    p.add_argument("lang", choices=headers.LANGUAGES)
+    p.add_argument("lang", choices=languages.CODES)
     p.add_argument("chapter", help="chapter number, e.g. 03, or a part's file stem, e.g. 04-ddp-in-practice")
     p = sub.add_parser("apply", help="build a translation from a work file")
     p.add_argument("lang", choices=TRANSLATED)

@@ -23,9 +23,10 @@ from nbclient import NotebookClient
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 import headers  # noqa: E402
+from distcourse.runtime import languages  # noqa: E402
 
 FIRST_CHAPTERS = [
-    path for lang in headers.LANGUAGES for path in sorted((ROOT / "chapters" / lang).glob("01-*.ipynb"))
+    path for lang in languages.CODES for path in sorted((ROOT / "chapters" / lang).glob("01-*.ipynb"))
 ]
 
 

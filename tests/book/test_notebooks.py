@@ -15,6 +15,7 @@ import pytest
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 import headers  # noqa: E402
+from distcourse.runtime import languages  # noqa: E402
 
 NOTEBOOKS = headers.notebooks(ROOT)
 SLIDE_TYPES = {"slide", "subslide", "fragment", "-", "skip", "notes"}
@@ -52,7 +53,7 @@ def test_language_links_exist_and_are_complete(path):
         assert (path.parent / link).resolve().exists(), f"broken language link {link}"
     translations = {
         f"../{lang}/{path.name}"
-        for lang in headers.LANGUAGES
+        for lang in languages.CODES
         if lang != path.parent.name and (ROOT / "chapters" / lang / path.name).exists()
     }
     assert set(links) == translations

@@ -18,7 +18,7 @@ import yaml
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 import headers  # noqa: E402
 import translations  # noqa: E402
-from distcourse.runtime import i18n  # noqa: E402
+from distcourse.runtime import i18n, languages  # noqa: E402
 
 ENGLISH = translations.english_chapters(ROOT)
 PAIRS = [(en, lang) for lang in translations.TRANSLATED for en in ENGLISH]
@@ -161,7 +161,7 @@ def test_diagram_is_translated(lang):
 def test_toc_has_every_chapter_in_every_language_with_native_captions():
     toc = yaml.safe_load((ROOT / "_toc.yml").read_text(encoding="utf-8"))
     parts = {part["caption"]: [c["file"] for c in part["chapters"]] for part in toc["parts"]}
-    for lang, name in headers.LANGUAGES.items():
+    for lang, name in ((lang.code, lang.name) for lang in languages.LANGUAGES):
         expected = [f"chapters/{lang}/{p.stem}" for p in ENGLISH]
         if lang != "en":
             expected = [f"chapters/{lang}/index"] + expected

@@ -32,13 +32,12 @@ import subprocess
 
 import yaml
 
-LANGUAGES = ("en", "ru", "zh-CN", "zh-TW", "pt-BR", "ko")
+from . import languages
+
+LANGUAGES = languages.CODES
 LOCALE_DIR = pathlib.Path(__file__).resolve().parents[1] / "locale"
-CJK_FONTS = {  # preferred family first; any of them draws the glyphs
-    "zh-CN": ["Noto Sans CJK SC", "Source Han Sans SC", "Microsoft YaHei", "PingFang SC", "WenQuanYi Zen Hei", "SimHei"],
-    "zh-TW": ["Noto Sans CJK TC", "Source Han Sans TC", "Microsoft JhengHei", "PingFang TC", "WenQuanYi Zen Hei"],
-    "ko": ["Noto Sans CJK KR", "Source Han Sans KR", "Malgun Gothic", "Apple SD Gothic Neo", "NanumGothic"],
-}
+# Preferred family first; any of them draws the glyphs (see languages.py).
+CJK_FONTS = {lang.code: list(lang.fonts) for lang in languages.LANGUAGES if lang.fonts}
 FONT_FILES = ["/usr/share/fonts/opentype/noto/NotoSansCJK-Regular.ttc",
               "/usr/share/fonts/opentype/noto/NotoSansCJK*.ttc",
               "/usr/share/fonts/truetype/noto/NotoSansCJK*.ttc"]
@@ -49,8 +48,7 @@ _catalog: dict[str, str] = {}
 
 def catalog(code: str) -> dict[str, str]:
     """The figure-text catalog of a language: English text -> translation."""
-    if code not in LANGUAGES:
-        raise ValueError(f"unknown language {code!r}; the course has {', '.join(LANGUAGES)}")
+    languages.get(code)  # a ValueError for a language the course does not have
     if code == "en":
         return {}
     path = LOCALE_DIR / f"{code}.yml"
