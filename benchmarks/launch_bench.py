@@ -26,11 +26,11 @@ import sys
 import time
 from pathlib import Path
 
+import launch_jobs  # next to this script; ranks import the job from it by name
 import torch
 import torch.multiprocessing as mp
 
 import distcourse
-import launch_jobs  # next to this script; ranks import the job from it by name
 
 ROOT = Path(__file__).resolve().parent.parent
 OUT_DIR = ROOT / "_build" / "bench"
@@ -78,8 +78,15 @@ def run_launcher(world_size: int) -> float:
 def run_torchrun(world_size: int) -> float:
     # sys.executable -m torch.distributed.run is the torchrun of this venv,
     # whatever `torchrun` happens to be first on PATH.
-    command = [sys.executable, "-m", "torch.distributed.run", "--standalone",
-               "--nproc-per-node", str(world_size), str(Path(__file__).with_name("launch_jobs.py"))]
+    command = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        "--nproc-per-node",
+        str(world_size),
+        str(Path(__file__).with_name("launch_jobs.py")),
+    ]
     start = time.perf_counter()
     try:
         done = subprocess.run(command, capture_output=True, text=True, timeout=120)
@@ -103,8 +110,13 @@ def machine() -> dict:
 
 
 def summary(times: list) -> dict:
-    return {"runs": len(times), "median_s": statistics.median(times),
-            "min_s": min(times), "max_s": max(times), "times_s": times}
+    return {
+        "runs": len(times),
+        "median_s": statistics.median(times),
+        "min_s": min(times),
+        "max_s": max(times),
+        "times_s": times,
+    }
 
 
 def main() -> None:
@@ -132,15 +144,17 @@ def main() -> None:
         # Round-robin, and each round starts with the next method, so that a
         # noisy moment or a run still cleaning up after the previous one does
         # not always land on the same method.
-        for name in names[i % len(names):] + names[:i % len(names)]:
+        for name in names[i % len(names) :] + names[: i % len(names)]:
             times[name].append(runners[name](opts.world_size))
         print(f"round {i + 1}/{opts.repeats}: " + ", ".join(f"{n} {times[n][-1]:.2f} s" for n in names), flush=True)
 
     results = {"launcher (cold, 1st)": summary([cold])}
     results.update({name: summary(times[name]) for name in names})
     fast = results["launcher"]["median_s"]
-    ratios = {"mp.spawn / launcher": results["mp.spawn"]["median_s"] / fast,
-              "torchrun / launcher": results["torchrun"]["median_s"] / fast}
+    ratios = {
+        "mp.spawn / launcher": results["mp.spawn"]["median_s"] / fast,
+        "torchrun / launcher": results["torchrun"]["median_s"] / fast,
+    }
     info = machine()
 
     print(f"\n{opts.world_size}-rank gloo job (init, one all_reduce, destroy), {opts.repeats} warm runs each")
@@ -148,20 +162,37 @@ def main() -> None:
     print(f"\n{'method':<21} {'runs':>4} {'median s':>9} {'min s':>7} {'max s':>7}")
     for name, r in results.items():
         print(f"{name:<21} {r['runs']:>4} {r['median_s']:>9.3f} {r['min_s']:>7.3f} {r['max_s']:>7.3f}")
-    print(f"\nlauncher is {ratios['mp.spawn / launcher']:.1f}x faster than mp.spawn "
-          f"and {ratios['torchrun / launcher']:.1f}x faster than torchrun (medians, warm launcher)")
+    print(
+        f"\nlauncher is {ratios['mp.spawn / launcher']:.1f}x faster than mp.spawn "
+        f"and {ratios['torchrun / launcher']:.1f}x faster than torchrun (medians, warm launcher)"
+    )
 
     OUT_DIR.mkdir(parents=True, exist_ok=True)
-    report = {"job": "init_process_group + all_reduce + destroy_process_group (gloo)",
-              "world_size": opts.world_size, "repeats": opts.repeats,
-              "machine": info, "results": results, "ratios": ratios}
+    report = {
+        "job": "init_process_group + all_reduce + destroy_process_group (gloo)",
+        "world_size": opts.world_size,
+        "repeats": opts.repeats,
+        "machine": info,
+        "results": results,
+        "ratios": ratios,
+    }
     (OUT_DIR / "launch.json").write_text(json.dumps(report, indent=2) + "\n")
     with open(OUT_DIR / "launch.csv", "w", newline="") as f:
         writer = csv.writer(f)
         writer.writerow(["method", "world_size", "runs", "median_s", "min_s", "max_s", "times_s", *info])
         for name, r in results.items():
-            writer.writerow([name, opts.world_size, r["runs"], f"{r['median_s']:.4f}", f"{r['min_s']:.4f}",
-                             f"{r['max_s']:.4f}", " ".join(f"{t:.4f}" for t in r["times_s"]), *info.values()])
+            writer.writerow(
+                [
+                    name,
+                    opts.world_size,
+                    r["runs"],
+                    f"{r['median_s']:.4f}",
+                    f"{r['min_s']:.4f}",
+                    f"{r['max_s']:.4f}",
+                    " ".join(f"{t:.4f}" for t in r["times_s"]),
+                    *info.values(),
+                ]
+            )
     print(f"\nwrote {OUT_DIR.relative_to(ROOT)}/launch.json and launch.csv")
 
 

@@ -31,8 +31,9 @@ OUT_DIR = Path(__file__).resolve().parent.parent / "_build" / "bench"
 
 def timed(megabytes: int, world_size: int, share: bool) -> float:
     start = time.perf_counter()
-    results = distcourse.launch(launch_jobs.big_result, world_size, args=(megabytes,), share_tensors=share,
-                                quiet=True, timeout=300)
+    results = distcourse.launch(
+        launch_jobs.big_result, world_size, args=(megabytes,), share_tensors=share, quiet=True, timeout=300
+    )
     seconds = time.perf_counter() - start
     for rank, tensor in enumerate(results):
         if tensor.numel() != megabytes * 2**20 // 4 or tensor.min() != rank or tensor.max() != rank:
@@ -52,21 +53,32 @@ def main() -> None:
     distcourse.launch(launch_jobs.big_result, 1, args=(1,), quiet=True)  # starts the fork server, untimed
     times = {"shared": [], "pipe": []}
     for i in range(opts.repeats):
-        for name in (("shared", "pipe") if i % 2 == 0 else ("pipe", "shared")):  # alternate the order
+        for name in ("shared", "pipe") if i % 2 == 0 else ("pipe", "shared"):  # alternate the order
             times[name].append(timed(opts.megabytes, opts.world_size, share=name == "shared"))
-        print(f"round {i + 1}/{opts.repeats}: shared {times['shared'][-1]:.2f} s, pipe {times['pipe'][-1]:.2f} s",
-              flush=True)
+        print(
+            f"round {i + 1}/{opts.repeats}: shared {times['shared'][-1]:.2f} s, pipe {times['pipe'][-1]:.2f} s",
+            flush=True,
+        )
     medians = {name: statistics.median(t) for name, t in times.items()}
     ratio = medians["pipe"] / medians["shared"]
-    print(f"\n{opts.world_size} ranks x {opts.megabytes} MB returned, {opts.repeats} runs each, "
-          f"{distcourse.cpu_cores()} cores")
+    print(
+        f"\n{opts.world_size} ranks x {opts.megabytes} MB returned, {opts.repeats} runs each, "
+        f"{distcourse.cpu_cores()} cores"
+    )
     print(f"{'path':<8} {'median s':>9} {'min s':>7} {'max s':>7}")
     for name, t in times.items():
         print(f"{name:<8} {medians[name]:>9.3f} {min(t):>7.3f} {max(t):>7.3f}")
     print(f"\nshared memory is {ratio:.1f}x faster than the pipe (whole launch, medians)")
     OUT_DIR.mkdir(parents=True, exist_ok=True)
-    report = {"megabytes_per_rank": opts.megabytes, "world_size": opts.world_size, "repeats": opts.repeats,
-              "cores": distcourse.cpu_cores(), "times_s": times, "median_s": medians, "pipe_over_shared": ratio}
+    report = {
+        "megabytes_per_rank": opts.megabytes,
+        "world_size": opts.world_size,
+        "repeats": opts.repeats,
+        "cores": distcourse.cpu_cores(),
+        "times_s": times,
+        "median_s": medians,
+        "pipe_over_shared": ratio,
+    }
     (OUT_DIR / "results.json").write_text(json.dumps(report, indent=2) + "\n")
     print(f"wrote {OUT_DIR}/results.json")
 

@@ -17,6 +17,7 @@ Progress: Sphinx's own output goes to _build/build.log (shown from its first pro
 failure); the terminal gets one line per notebook as myst-nb reads it, executed or taken
 from the cache: n of N, the notebook, its seconds, and the totals at the end.
 """
+
 import argparse
 import hashlib
 import os
@@ -46,7 +47,11 @@ ANSI_ESCAPE = re.compile(r"\x1b\[[0-9;]*m")
 
 def fingerprint(root: Path) -> str:
     """sha256 over the notebooks' inputs that are not in the notebooks."""
-    files = sorted((root / "code").rglob("*.py")) + sorted((root / "code").rglob("*.yml")) + [root / name for name in INPUT_FILES]
+    files = (
+        sorted((root / "code").rglob("*.py"))
+        + sorted((root / "code").rglob("*.yml"))
+        + [root / name for name in INPUT_FILES]
+    )
     lines = []
     for path in files:
         digest = hashlib.sha256(path.read_bytes()).hexdigest() if path.is_file() else "missing"
@@ -66,8 +71,7 @@ def print_failure(rc: int, log_path: Path) -> None:
     followed by ~60 lines of Sphinx/click traceback that say nothing about the cause.
     """
     lines = ANSI_ESCAPE.sub("", log_path.read_text(errors="replace")).splitlines()
-    first = next((i for i, line in enumerate(lines) if PROBLEM.search(line)),
-                 max(0, len(lines) - TAIL_LINES))
+    first = next((i for i, line in enumerate(lines) if PROBLEM.search(line)), max(0, len(lines) - TAIL_LINES))
     shown = lines[first:]
     if len(shown) > HEAD_LINES + TAIL_LINES:
         skipped = len(shown) - HEAD_LINES - TAIL_LINES
@@ -105,15 +109,27 @@ def jupyter_book(root: Path, out: Path, config: Path, extra: list) -> int:
     log_path = out / "_build" / "build.log"
     log_path.parent.mkdir(parents=True, exist_ok=True)
     vendor_mathjax(root)
-    cmd = [str(JUPYTER_BOOK), "build", str(root), "--path-output", str(out),
-           "--config", str(config), "-W", "-n", "--keep-going", *extra]
+    cmd = [
+        str(JUPYTER_BOOK),
+        "build",
+        str(root),
+        "--path-output",
+        str(out),
+        "--config",
+        str(config),
+        "-W",
+        "-n",
+        "--keep-going",
+        *extra,
+    ]
     print(f"$ {' '.join(cmd)}\n  (log: {log_path})", flush=True)
     progress = Progress(total=len(book_notebooks(root)))
     # Unbuffered, so that each log line (and so each notebook's progress) arrives when written.
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
     with open(log_path, "w") as log:
-        process = subprocess.Popen(cmd, cwd=root, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                                   text=True, errors="replace")
+        process = subprocess.Popen(
+            cmd, cwd=root, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, errors="replace"
+        )
         for line in process.stdout:
             log.write(line)
             progress.line(ANSI_ESCAPE.sub("", line), root)
@@ -169,9 +185,12 @@ class Progress:
             return
         seconds = sum(self.executed.values())
         unread = self.total - self.seen
-        print(f"Notebooks: {len(self.executed)} executed in {seconds:.1f} s, {len(self.cached)} from the cache"
-              + (f", {len(self.failed)} failed" if self.failed else "")
-              + (f", {unread} unchanged (not re-read)" if unread > 0 else ""), flush=True)
+        print(
+            f"Notebooks: {len(self.executed)} executed in {seconds:.1f} s, {len(self.cached)} from the cache"
+            + (f", {len(self.failed)} failed" if self.failed else "")
+            + (f", {unread} unchanged (not re-read)" if unread > 0 else ""),
+            flush=True,
+        )
 
 
 def book_notebooks(root: Path) -> list:
@@ -243,20 +262,27 @@ def build_unexecuted(root: Path, out: Path) -> int:
     for name, path in local_ext.items():
         local_ext[name] = str((root / path).resolve())
     config_copy = out / "_config.noexec.yml"
-    config_copy.write_text(yaml.safe_dump(config, allow_unicode=True, sort_keys=False),
-                           encoding="utf8")
+    config_copy.write_text(yaml.safe_dump(config, allow_unicode=True, sort_keys=False), encoding="utf8")
     return jupyter_book(root, out, config_copy, [])
 
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--root", type=Path, default=REPO_ROOT,
-                        help="book folder with _config.yml and _toc.yml (default: this repository)")
-    parser.add_argument("--no-execute", action="store_true",
-                        help="do not run notebooks; build into --output instead of _build/html")
-    parser.add_argument("--output", type=Path, default=None,
-                        help="with --no-execute: output folder (default: ROOT/_build/noexec); "
-                             "HTML goes to OUTPUT/_build/html")
+    parser.add_argument(
+        "--root",
+        type=Path,
+        default=REPO_ROOT,
+        help="book folder with _config.yml and _toc.yml (default: this repository)",
+    )
+    parser.add_argument(
+        "--no-execute", action="store_true", help="do not run notebooks; build into --output instead of _build/html"
+    )
+    parser.add_argument(
+        "--output",
+        type=Path,
+        default=None,
+        help="with --no-execute: output folder (default: ROOT/_build/noexec); HTML goes to OUTPUT/_build/html",
+    )
     args = parser.parse_args()
     root = args.root.resolve()
     if args.output and not args.no_execute:

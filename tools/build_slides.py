@@ -37,8 +37,16 @@ VENDOR = {
     "reveal.js": ["dist", "plugin"],
     "jquery": ["dist/jquery.min.js"],
     "requirejs": ["require.js"],
-    "mathjax": ["MathJax.js", "config", "extensions", "jax/input/TeX", "jax/output/CommonHTML", "jax/element",
-                "localization", "fonts/HTML-CSS/TeX/woff"],
+    "mathjax": [
+        "MathJax.js",
+        "config",
+        "extensions",
+        "jax/input/TeX",
+        "jax/output/CommonHTML",
+        "jax/element",
+        "localization",
+        "fonts/HTML-CSS/TeX/woff",
+    ],
 }
 
 
@@ -103,7 +111,8 @@ def main() -> int:
     parser.add_argument("--no-execute", action="store_true", help="do not run the notebooks first")
     args = parser.parse_args()
     notebooks = [
-        nb for nb in sorted((ROOT / "chapters").glob(f"*/{args.chapter}*.ipynb"))
+        nb
+        for nb in sorted((ROOT / "chapters").glob(f"*/{args.chapter}*.ipynb"))
         if nb.name[:2].isdigit() and (not args.lang or nb.parent.name in args.lang)
     ]
     if not notebooks:

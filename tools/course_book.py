@@ -57,13 +57,17 @@ def add_translation_notice(app, doctree) -> None:
     title, current, behind = NOTICE[match["lang"]]
     state = "current" if was == now else "behind"
     text = (current if state == "current" else behind).format(title=english_title(english), was=was, now=now)
-    notice = nodes.admonition("", nodes.title(text=title), nodes.paragraph(text=text),
-                              classes=["tip" if state == "current" else "warning", f"translation-{state}"])
+    notice = nodes.admonition(
+        "",
+        nodes.title(text=title),
+        nodes.paragraph(text=text),
+        classes=["tip" if state == "current" else "warning", f"translation-{state}"],
+    )
     section = next(iter(doctree.findall(nodes.section)), None)
     if section is None:
         doctree.insert(0, notice)
     else:
-        section.insert(1, notice)   # right after the chapter title
+        section.insert(1, notice)  # right after the chapter title
 
 
 def set_page_language(app, pagename, templatename, context, doctree) -> None:
@@ -86,8 +90,10 @@ class TranslationStatus(SphinxDirective):
         rows = translations.status(ROOT)
         translated = languages.TRANSLATED
         marks = {"current": "✅ current", "behind": "⚠️ behind", "missing": "❌ missing"}
-        lines = ["| chapter | " + " | ".join(lang.name for lang in translated) + " |",
-                 "|---|" + "---|" * len(translated)]
+        lines = [
+            "| chapter | " + " | ".join(lang.name for lang in translated) + " |",
+            "|---|" + "---|" * len(translated),
+        ]
         for english_path in translations.english_chapters(ROOT):
             cells = []
             for lang in (lang.code for lang in translated):
@@ -96,8 +102,11 @@ class TranslationStatus(SphinxDirective):
                 cells.append(mark if row["state"] == "missing" else f"[{mark}](chapters/{lang}/{english_path.name})")
             lines.append(f"| [{english_path.stem}](chapters/en/{english_path.name}) | " + " | ".join(cells) + " |")
         counts = {state: sum(r["state"] == state for r in rows) for state in marks}
-        lines += ["", f"{counts['current']} current, {counts['behind']} behind, {counts['missing']} missing "
-                      f"({len(rows)} chapter translations)."]
+        lines += [
+            "",
+            f"{counts['current']} current, {counts['behind']} behind, {counts['missing']} missing "
+            f"({len(rows)} chapter translations).",
+        ]
         container = nodes.container(classes=["translation-status"])
         self.state.nested_parse(StringList(lines, source="translation-status"), self.content_offset, container)
         return [container]
@@ -108,18 +117,25 @@ class CourseGlossary(SphinxDirective):
 
     def run(self):
         self.env.note_dependency(str(translations.GLOSSARY))
-        lines = ["| " + " | ".join(lang.name for lang in languages.LANGUAGES) + " |",
-                 "|---" * len(languages.LANGUAGES) + "|"]
+        lines = [
+            "| " + " | ".join(lang.name for lang in languages.LANGUAGES) + " |",
+            "|---" * len(languages.LANGUAGES) + "|",
+        ]
         for term in translations.glossary():
             cells = [term["en"][0]] + [
-                " / ".join(term[lang]) if isinstance(term[lang], list) else term[lang] for lang in translations.TRANSLATED]
+                " / ".join(term[lang]) if isinstance(term[lang], list) else term[lang]
+                for lang in translations.TRANSLATED
+            ]
             lines.append("| " + " | ".join(cells) + " |")
         container = nodes.container(classes=["course-glossary"])
         self.state.nested_parse(StringList(lines, source="glossary"), self.content_offset, container)
         return [container]
 
 
-CJK = "\u1100-\u11ff\u2e80-\u2fdf\u3040-\u30ff\u3100-\u312f\u3130-\u318f\u3400-\u4dbf\u4e00-\u9fff\uac00-\ud7af\uf900-\ufaff"
+CJK = (  # Hangul Jamo, CJK radicals, kana, bopomofo, Hangul compatibility, CJK ideographs, Hangul, compatibility
+    "\u1100-\u11ff\u2e80-\u2fdf\u3040-\u30ff\u3100-\u312f\u3130-\u318f"
+    "\u3400-\u4dbf\u4e00-\u9fff\uac00-\ud7af\uf900-\ufaff"
+)
 _CJK_RUN = re.compile(f"[{CJK}]+")
 
 
@@ -143,7 +159,7 @@ function splitQuery(query) {
   }
   return out;
 }
-""" % (CJK, CJK)
+""" % (CJK, CJK)  # noqa: UP031  (the JavaScript's own braces make str.format awkward)
 
     def split(self, input: str) -> list[str]:
         words = []
@@ -153,7 +169,7 @@ function splitQuery(query) {
                 if not piece:
                     continue
                 if _CJK_RUN.fullmatch(piece) and len(piece) > 1:
-                    words.extend(piece[i:i + 2] for i in range(len(piece) - 1))
+                    words.extend(piece[i : i + 2] for i in range(len(piece) - 1))
                 else:
                     words.append(piece)
         return words

@@ -74,7 +74,9 @@ def repository(root: pathlib.Path = ROOT) -> tuple[str, str]:
 def colab_url(notebook: pathlib.Path, root: pathlib.Path = ROOT) -> str:
     url, branch = repository(root)
     github_path = url.split("github.com/", 1)[1]
-    return f"https://colab.research.google.com/github/{github_path}/blob/{branch}/{notebook.relative_to(root).as_posix()}"
+    return (
+        f"https://colab.research.google.com/github/{github_path}/blob/{branch}/{notebook.relative_to(root).as_posix()}"
+    )
 
 
 def header_markdown(notebook: pathlib.Path, title: str, root: pathlib.Path = ROOT) -> str:

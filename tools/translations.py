@@ -51,6 +51,7 @@ SECTION = re.compile(r"^%%% (title|markdown|code)(?: (\S+))?\s*$", re.M)
 
 # ---------------------------------------------------------------- notebooks
 
+
 def english_chapters(root: pathlib.Path = ROOT) -> list[pathlib.Path]:
     # By stem, so that a chapter in two parts reads in order: 04-ddp before 04-ddp-in-practice.
     return sorted((root / "chapters" / "en").glob("[0-9][0-9]-*.ipynb"), key=lambda p: p.stem)
@@ -87,6 +88,7 @@ def write(nb: nbformat.NotebookNode, path: pathlib.Path) -> None:
 
 # ---------------------------------------------------------------- comments
 
+
 def split_comments(source: str) -> list[tuple[str, str]]:
     """Each line as (code, comment): the comment starts at its '#', the code is rstripped."""
     lines = source.split("\n")
@@ -97,8 +99,10 @@ def split_comments(source: str) -> list[tuple[str, str]]:
                 comments[tok.start[0] - 1] = tok.start[1]
     except (tokenize.TokenError, IndentationError, SyntaxError):
         pass  # not Python that tokenizes: treat every line as code
-    return [(line[: comments[i]].rstrip(), line[comments[i]:]) if i in comments else (line.rstrip(), "")
-            for i, line in enumerate(lines)]
+    return [
+        (line[: comments[i]].rstrip(), line[comments[i] :]) if i in comments else (line.rstrip(), "")
+        for i, line in enumerate(lines)
+    ]
 
 
 def code_without_comments(source: str) -> str:
@@ -119,6 +123,7 @@ def merge_comments(english: str, translated: str) -> str:
     that occurs several times in a cell is told apart by its occurrence number.
     Every other comment comes from the English cell.
     """
+
     def anchors(pairs):
         """For each line: the key of the code it belongs to, as (code, occurrence)."""
         seen, keys = {}, []
@@ -170,6 +175,7 @@ def merge_comments(english: str, translated: str) -> str:
 
 # ---------------------------------------------------------------- prose fingerprint
 
+
 def prose(nb: nbformat.NotebookNode) -> list[str]:
     """What a translator translates: the title, the markdown cells, the code comments."""
     parts = [nb.cells[HEADER].source.splitlines()[0]]
@@ -194,25 +200,32 @@ def recorded(nb: nbformat.NotebookNode) -> dict:
 
 # ---------------------------------------------------------------- parity
 
+
 def code_differences(english: nbformat.NotebookNode, translated: nbformat.NotebookNode) -> list[str]:
     """Why the translation's code is not the English code; empty when it is."""
     problems = []
     en_ids = [c.get("id") for c in english.cells]
     tr_ids = [c.get("id") for c in translated.cells]
     if en_ids != tr_ids:
-        return [f"cells differ from the English ones (English has {len(en_ids)} cells, the translation "
-                f"{len(tr_ids)}; first difference at cell {next((i for i, (a, b) in enumerate(zip(en_ids, tr_ids)) if a != b), min(len(en_ids), len(tr_ids)))})"]
+        first = next((i for i, (a, b) in enumerate(zip(en_ids, tr_ids)) if a != b), min(len(en_ids), len(tr_ids)))
+        return [
+            f"cells differ from the English ones (English has {len(en_ids)} cells, the translation "
+            f"{len(tr_ids)}; first difference at cell {first})"
+        ]
     for i, (en, tr) in enumerate(zip(english.cells, translated.cells)):
         if en.cell_type != tr.cell_type:
             problems.append(f"cell {i} (id {en.get('id')}): {tr.cell_type} instead of {en.cell_type}")
         elif en.cell_type == "code" and code_without_comments(en.source) != code_without_comments(tr.source):
-            problems.append(f"cell {i} (id {en.get('id')}): code differs from English (run python tools/translations.py sync)")
+            problems.append(
+                f"cell {i} (id {en.get('id')}): code differs from English (run python tools/translations.py sync)"
+            )
         if i not in (HEADER, SETUP) and en.metadata != tr.metadata:
             problems.append(f"cell {i} (id {en.get('id')}): metadata differs from English")
     return problems
 
 
 # ---------------------------------------------------------------- glossary
+
 
 def glossary(path: pathlib.Path = GLOSSARY) -> list[dict]:
     return yaml.safe_load(path.read_text(encoding="utf-8"))["terms"]
@@ -237,8 +250,9 @@ def english_uses(term: dict, text: str) -> bool:
     return any(re.search(r"\b" + re.escape(_normalize(m)) + r"\b", _normalize(text)) for m in term["en"])
 
 
-def missing_terms(english: nbformat.NotebookNode, translated: nbformat.NotebookNode, lang: str,
-                  terms: list[dict] | None = None) -> list[str]:
+def missing_terms(
+    english: nbformat.NotebookNode, translated: nbformat.NotebookNode, lang: str, terms: list[dict] | None = None
+) -> list[str]:
     """Glossary terms the English chapter uses but the translation never writes."""
     en_text, tr_text = "\n".join(prose(english)), _normalize("\n".join(prose(translated)))
     out = []
@@ -251,6 +265,7 @@ def missing_terms(english: nbformat.NotebookNode, translated: nbformat.NotebookN
 
 # ---------------------------------------------------------------- figure text
 
+
 def figure_texts(root: pathlib.Path = ROOT) -> dict[str, list[str]]:
     """Every string literal the English chapters pass to ``tr()``, with the chapters using it."""
     import ast
@@ -261,8 +276,14 @@ def figure_texts(root: pathlib.Path = ROOT) -> dict[str, list[str]]:
             if cell.cell_type != "code":
                 continue
             for node in ast.walk(ast.parse(cell.source)):
-                if (isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id == "tr"
-                        and node.args and isinstance(node.args[0], ast.Constant) and isinstance(node.args[0].value, str)):
+                if (
+                    isinstance(node, ast.Call)
+                    and isinstance(node.func, ast.Name)
+                    and node.func.id == "tr"
+                    and node.args
+                    and isinstance(node.args[0], ast.Constant)
+                    and isinstance(node.args[0].value, str)
+                ):
                     found.setdefault(node.args[0].value, [])
                     if path.stem[:2] not in found[node.args[0].value]:
                         found[node.args[0].value].append(path.stem[:2])
@@ -270,6 +291,7 @@ def figure_texts(root: pathlib.Path = ROOT) -> dict[str, list[str]]:
 
 
 # ---------------------------------------------------------------- work files
+
 
 def extract(english: nbformat.NotebookNode, base: nbformat.NotebookNode | None = None) -> str:
     """The work file for a translator; from ``base`` (an existing translation) when given."""
@@ -287,7 +309,7 @@ def parse(text: str) -> tuple[str, dict[str, str]]:
     title, cells = None, {}
     marks = list(SECTION.finditer(text))
     for m, nxt in zip(marks, marks[1:] + [None]):
-        body = text[m.end() + 1: nxt.start() if nxt else len(text)].strip("\n")
+        body = text[m.end() + 1 : nxt.start() if nxt else len(text)].strip("\n")
         if m.group(1) == "title":
             title = body.strip()
         else:
@@ -315,8 +337,10 @@ def apply(english_path: pathlib.Path, lang: str, text: str) -> tuple[pathlib.Pat
         cell.source = body
     nb.cells[HEADER].source = title + "\n"
     nb.metadata.setdefault("distcourse", {})["translation"] = {
-        "language": lang, "english": f"chapters/en/{english_path.name}",
-        "english_prose": prose_fingerprint(english)}
+        "language": lang,
+        "english": f"chapters/en/{english_path.name}",
+        "english_prose": prose_fingerprint(english),
+    }
     out = translation_of(english_path, lang)
     write(nb, out)
     headers.update(out, english_path.parents[2])  # its setup cell and language links
@@ -335,7 +359,7 @@ def sync(translated_path: pathlib.Path, root: pathlib.Path = ROOT) -> bool:
     for i, en in enumerate(english.cells):
         cell = copy.deepcopy(en)
         mine = old.get(en.get("id"))
-        if mine is not None and i != SETUP:   # the setup cell is the same everywhere
+        if mine is not None and i != SETUP:  # the setup cell is the same everywhere
             if en.cell_type == "markdown":
                 cell.source = mine.source
             elif en.cell_type == "code":
@@ -349,6 +373,7 @@ def sync(translated_path: pathlib.Path, root: pathlib.Path = ROOT) -> bool:
 
 
 # ---------------------------------------------------------------- status
+
 
 def status(root: pathlib.Path = ROOT) -> list[dict]:
     """One row per chapter and language: current, behind (English prose changed) or missing."""
@@ -364,8 +389,9 @@ def status(root: pathlib.Path = ROOT) -> list[dict]:
             else:
                 nb = read(path)
                 was = recorded(nb).get("english_prose")
-                row.update(state="current" if was == now else "behind", translated_from=was,
-                           code=code_differences(english, nb))
+                row.update(
+                    state="current" if was == now else "behind", translated_from=was, code=code_differences(english, nb)
+                )
             rows.append(row)
     return rows
 
@@ -382,8 +408,11 @@ def main() -> int:
     p.add_argument("--chapter", help="chapter number or stem (default: the digits the work file's name starts with)")
     p = sub.add_parser("sync", help="copy the English code cells into every translation")
     p.add_argument("paths", nargs="*", type=pathlib.Path)
-    p = sub.add_parser("mark-current", help="record that translations already follow the current English prose "
-                       "(after editing English and every translation in the same change)")
+    p = sub.add_parser(
+        "mark-current",
+        help="record that translations already follow the current English prose "
+        "(after editing English and every translation in the same change)",
+    )
     p.add_argument("chapter", help="chapter number, e.g. 03, or a part's file stem, e.g. 04-ddp-in-practice")
     p.add_argument("langs", nargs="*", help="default: every translation")
     p = sub.add_parser("figure-texts", help="print a figure-text catalog template (YAML) for a language")
@@ -406,10 +435,13 @@ def main() -> int:
             return 1
         print(f"wrote {out.relative_to(ROOT)}")
         for gap in gaps:
-            print(f"glossary: the English uses {gap.split(' -> ')[0]}, the translation never writes {gap.split(' -> ')[1]}")
+            english, translated = gap.split(" -> ")
+            print(f"glossary: the English uses {english}, the translation never writes {translated}")
         return 1 if gaps else 0
     elif args.command == "sync":
-        paths = args.paths or [p for lang in TRANSLATED for p in sorted((ROOT / "chapters" / lang).glob("[0-9][0-9]-*.ipynb"))]
+        paths = args.paths or [
+            p for lang in TRANSLATED for p in sorted((ROOT / "chapters" / lang).glob("[0-9][0-9]-*.ipynb"))
+        ]
         for path in paths:
             if sync(path.resolve()):
                 print(f"updated {path.resolve().relative_to(ROOT)}")

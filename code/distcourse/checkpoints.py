@@ -200,8 +200,13 @@ def rng_state(device=torch.device("cpu")) -> dict:
     name, keys, pos, has_gauss, cached = np.random.get_state()
     state = {
         "torch": torch.get_rng_state(),
-        "numpy": {"name": name, "keys": torch.from_numpy(keys.astype(np.int64)), "pos": pos,
-                  "has_gauss": has_gauss, "cached_gaussian": cached},
+        "numpy": {
+            "name": name,
+            "keys": torch.from_numpy(keys.astype(np.int64)),
+            "pos": pos,
+            "has_gauss": has_gauss,
+            "cached_gaussian": cached,
+        },
         "python": random.getstate(),
     }
     if device.type == "cuda":
@@ -212,7 +217,9 @@ def rng_state(device=torch.device("cpu")) -> dict:
 def set_rng_state(state: dict, device=torch.device("cpu")) -> None:
     torch.set_rng_state(state["torch"])
     n = state["numpy"]
-    np.random.set_state((n["name"], n["keys"].numpy().astype(np.uint32), n["pos"], n["has_gauss"], n["cached_gaussian"]))
+    np.random.set_state(
+        (n["name"], n["keys"].numpy().astype(np.uint32), n["pos"], n["has_gauss"], n["cached_gaussian"])
+    )
     random.setstate(state["python"])
     if device.type == "cuda" and "cuda" in state:
         torch.cuda.set_rng_state(state["cuda"], device)
@@ -281,16 +288,28 @@ def restore(state, model, optimizer, scheduler, forget=()):
     rng = None
     if "rng" not in forget:
         if state["world_size"] != dist.get_world_size():
-            raise ValueError(f"the checkpoint holds RNG states of {state['world_size']} ranks, "
-                             f"this run has {dist.get_world_size()}")
+            raise ValueError(
+                f"the checkpoint holds RNG states of {state['world_size']} ranks, this run has {dist.get_world_size()}"
+            )
         rng = state["rng"][dist.get_rank()]
-    print(f"resumed at step {state['step']} (epoch {state['epoch']}, batch {state['batch']})"
-          + (f", forgetting the {' and '.join(forget)}" if forget else ""))
+    print(
+        f"resumed at step {state['step']} (epoch {state['epoch']}, batch {state['batch']})"
+        + (f", forgetting the {' and '.join(forget)}" if forget else "")
+    )
     return state["step"], epoch, state["batch"], rng
 
 
-def train(data, steps: int, *, every: int = 0, directory=None, resume_from=None,
-          crash_at: tuple[int, int] | None = None, forget: tuple[str, ...] = (), seed: int = 0):
+def train(
+    data,
+    steps: int,
+    *,
+    every: int = 0,
+    directory=None,
+    resume_from=None,
+    crash_at: tuple[int, int] | None = None,
+    forget: tuple[str, ...] = (),
+    seed: int = 0,
+):
     """Train for ``steps`` optimizer steps under DDP; checkpoint every ``every`` steps.
 
     directory: where checkpoints ``step-NNNN.pt`` and the loss log ``losses.jsonl`` go.
@@ -526,8 +545,12 @@ def dcp_layout(directory) -> list[dict]:
 
     metadata = FileSystemReader(directory).read_metadata()
     rows = [
-        {"file": where.relative_path, "key": index.fqn, "bytes": where.length,
-         "offset": None if index.offset is None else tuple(index.offset)}
+        {
+            "file": where.relative_path,
+            "key": index.fqn,
+            "bytes": where.length,
+            "offset": None if index.offset is None else tuple(index.offset),
+        }
         for index, where in metadata.storage_data.items()
     ]
     return sorted(rows, key=lambda r: (r["file"], r["key"]))
@@ -619,10 +642,15 @@ def dcp_async_save_while_training(directory, steps: int = 8, save_at=(3, 6)):
                 pending.result()  # the previous save is complete (and raises here if it failed)
             expected[app.step] = _snapshot(app.state_dict())  # what this checkpoint must hold
             start = time.perf_counter()
-            pending = dcp.async_save({"app": app}, checkpoint_id=pathlib.Path(directory) / f"step-{app.step}",
-                                     process_group=save_group)
-            record = {"step": app.step, "returned after": time.perf_counter() - start,
-                      "still writing on return": not pending.done(), "steps while writing": 0}
+            pending = dcp.async_save(
+                {"app": app}, checkpoint_id=pathlib.Path(directory) / f"step-{app.step}", process_group=save_group
+            )
+            record = {
+                "step": app.step,
+                "returned after": time.perf_counter() - start,
+                "still writing on return": not pending.done(),
+                "steps while writing": 0,
+            }
             pending.add_done_callback(lambda _, r=record, t=start: r.update({"written after": time.perf_counter() - t}))
             saves.append(record)
     pending.result()

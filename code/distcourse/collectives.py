@@ -435,9 +435,7 @@ def _chunk_index(schedule, rank: int, step: int, n: int) -> int:
         index = None
     if isinstance(value, bool) or index is None or not 0 <= index < n:
         name = getattr(schedule, "__name__", "the schedule")
-        raise ValueError(
-            f"{name}(rank={rank}, step={step}, n={n}) returned {value!r}, not a chunk index 0..{n - 1}"
-        )
+        raise ValueError(f"{name}(rank={rank}, step={step}, n={n}) returned {value!r}, not a chunk index 0..{n - 1}")
     return index
 
 

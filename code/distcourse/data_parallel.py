@@ -225,7 +225,9 @@ def dataparallel_style_step(model, optimizer, x, y, devices, clock: Stopwatch):
         optimizer.zero_grad()
 
 
-def step_time_breakdown(replica_counts=(2, 4), steps: int = 20, batch_size: int = 256, width: int = 512, depth: int = 3):
+def step_time_breakdown(
+    replica_counts=(2, 4), steps: int = 20, batch_size: int = 256, width: int = 512, depth: int = 3
+):
     """Seconds per step, phase by phase: a plain step, and DataParallel-style steps
     with k replicas, on the same model and batch: on GPUs when there are
     ``max(replica_counts)`` of them, otherwise on the CPU.

@@ -302,8 +302,17 @@ def host_to_device_ms(megabytes: int = 64, repeats: int = 5, device=None) -> dic
 
 
 TORCHRUN_VARIABLES = (
-    "RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "GROUP_RANK", "ROLE_RANK",
-    "MASTER_ADDR", "MASTER_PORT", "TORCHELASTIC_RESTART_COUNT", "TORCHELASTIC_RUN_ID", "CUDA_VISIBLE_DEVICES",
+    "RANK",
+    "LOCAL_RANK",
+    "WORLD_SIZE",
+    "LOCAL_WORLD_SIZE",
+    "GROUP_RANK",
+    "ROLE_RANK",
+    "MASTER_ADDR",
+    "MASTER_PORT",
+    "TORCHELASTIC_RESTART_COUNT",
+    "TORCHELASTIC_RUN_ID",
+    "CUDA_VISIBLE_DEVICES",
 )
 
 
@@ -322,8 +331,17 @@ def torchrun_environment(nproc: int = 2, timeout: float = 60.0) -> list[dict]:
     probe = f"import json, os; print('env ' + json.dumps({{k: os.environ.get(k) for k in {TORCHRUN_VARIABLES!r}}}))"
     env = tt.child_env()
     env.pop("CUDA_VISIBLE_DEVICES", None)
-    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}",
-               "--no-python", sys.executable, "-c", probe]
+    command = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        f"--nproc-per-node={nproc}",
+        "--no-python",
+        sys.executable,
+        "-c",
+        probe,
+    ]
     result = tt.run(command, timeout=timeout, env=env)
     rows = [json.loads(line[4:]) for line in result.stdout.splitlines() if line.startswith("env ")]
     return sorted(rows, key=lambda row: int(row["RANK"]))

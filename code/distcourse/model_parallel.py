@@ -194,7 +194,7 @@ def gpipe_step(stage: nn.Module, index: int, x, y, n_micro: int, peer: int, t0: 
         for i in range(n_micro):
             timed("B", i, lambda: losses[i].backward())
             pending.append(dist.isend(inputs[i].grad, peer, tag=n_micro + i))
-        loss = sum(l.item() for l in losses)
+        loss = sum(micro_loss.item() for micro_loss in losses)
     for work in pending:
         work.wait()  # a sent tensor must stay alive until its send is done
     return loss, events
@@ -274,7 +274,9 @@ def check_order(order, m: int, stage: int) -> None:
     try:
         got = sorted((str(kind), int(i)) for kind, i in order)
     except (TypeError, ValueError):
-        raise ValueError(f"stage {stage}: the order must be a list of ('F', i) / ('B', i) pairs, got {order!r}")
+        raise ValueError(
+            f"stage {stage}: the order must be a list of ('F', i) / ('B', i) pairs, got {order!r}"
+        ) from None
     if got != expected:
         raise ValueError(f"stage {stage}: every micro-batch 0..{m - 1} needs exactly one 'F' and one 'B'")
 
@@ -351,8 +353,13 @@ def plot_schedule(ax, stage_events, title: str, unit: float = 1e3, xlabel: str =
     total = step_seconds(stage_events) * unit
     for s, events in enumerate(stage_events):
         for kind, i, start, end in events:
-            ax.broken_barh([(start * unit, (end - start) * unit)], (s - 0.4, 0.8),
-                           facecolors=COLORS[kind], edgecolor="white", linewidth=0.5)
+            ax.broken_barh(
+                [(start * unit, (end - start) * unit)],
+                (s - 0.4, 0.8),
+                facecolors=COLORS[kind],
+                edgecolor="white",
+                linewidth=0.5,
+            )
             if (end - start) * unit > 0.03 * total:  # label the bars that have room for it
                 ax.text((start + end) / 2 * unit, s, f"{kind}{i}", ha="center", va="center", fontsize=7, color="white")
     ax.set_yticks(range(len(stage_events)), [f"stage {s}" for s in range(len(stage_events))])

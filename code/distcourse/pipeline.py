@@ -79,8 +79,9 @@ def torch_pipeline_step(schedule: str, model_kwargs: dict, x, y, n_micro: int) -
     rank, device = dist.get_rank(), rank_device()
     module = two_stage_model(**model_kwargs)[rank].to(device)
     example_in, example_out = _examples(module, len(x) // n_micro, rank, device)
-    stage = PipelineStage(module, stage_index=rank, num_stages=2, device=device,
-                          input_args=example_in, output_args=example_out)
+    stage = PipelineStage(
+        module, stage_index=rank, num_stages=2, device=device, input_args=example_in, output_args=example_out
+    )
     runner = SCHEDULES[schedule](stage, n_microbatches=n_micro, loss_fn=F.cross_entropy)
     events: list = []
     _record(stage, events, device)
@@ -136,8 +137,15 @@ def ddp_pipeline_step(model_kwargs: dict, x, y, n_micro: int, lr: float = 0.1) -
     ddp.register_comm_hook(dp_group, counted_all_reduce)
     # The stage talks to its neighbour inside its own replica only: group=pipeline_group.
     example_in, example_out = _examples(module, len(x) // (world // 2) // n_micro, index, device)
-    stage = PipelineStage(ddp, stage_index=index, num_stages=2, device=device, group=pipeline_group,
-                          input_args=example_in, output_args=example_out)
+    stage = PipelineStage(
+        ddp,
+        stage_index=index,
+        num_stages=2,
+        device=device,
+        group=pipeline_group,
+        input_args=example_in,
+        output_args=example_out,
+    )
     runner = Schedule1F1B(stage, n_microbatches=n_micro, loss_fn=F.cross_entropy)
     xr, yr = x.tensor_split(world // 2)[replica].to(device), y.tensor_split(world // 2)[replica].to(device)
     losses: list = []
@@ -148,8 +156,7 @@ def ddp_pipeline_step(model_kwargs: dict, x, y, n_micro: int, lr: float = 0.1) -
     optimizer = torch.optim.SGD(module.parameters(), lr=lr)
     optimizer.step()
     loss = sum(loss.item() for loss in losses) / n_micro if losses else None
-    print(f"replica {replica}, stage {index}: {len(xr)} samples"
-          + (f", loss {loss:.4f}" if loss is not None else ""))
+    print(f"replica {replica}, stage {index}: {len(xr)} samples" + (f", loss {loss:.4f}" if loss is not None else ""))
     return {
         "replica": replica,
         "stage": index,

@@ -2,6 +2,7 @@
 
 Both tests go through tools/build_book.py, the same entry point as `make book`.
 """
+
 import re
 import subprocess
 import sys
@@ -24,13 +25,18 @@ def build_book(*args, timeout=240):
     start = time.perf_counter()
     result = subprocess.run(
         [sys.executable, "tools/build_book.py", *map(str, args)],
-        cwd=REPO_ROOT, capture_output=True, text=True, timeout=timeout,
+        cwd=REPO_ROOT,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
     )
     seconds = time.perf_counter() - start
     if result.returncode != 0:
         tail = "\n".join((result.stdout + result.stderr).splitlines()[-100:])
-        pytest.fail(f"build_book.py {' '.join(map(str, args))} exited with "
-                    f"{result.returncode}; last lines of its output:\n{tail}")
+        pytest.fail(
+            f"build_book.py {' '.join(map(str, args))} exited with "
+            f"{result.returncode}; last lines of its output:\n{tail}"
+        )
     return result.stdout, seconds
 
 
@@ -105,13 +111,11 @@ def write_tiny_book(root: Path):
     (root / "code").mkdir()
     (root / "code" / "marker.py").write_text('VALUE = "first-value"\n')
     nb = nbformat.v4.new_notebook()
-    nb.metadata["kernelspec"] = {"name": "python3", "display_name": "Python 3",
-                                 "language": "python"}
+    nb.metadata["kernelspec"] = {"name": "python3", "display_name": "Python 3", "language": "python"}
     nb.cells = [
         nbformat.v4.new_markdown_cell("# Page"),
         # Notebooks run in their own folder (the book root here), so "code" resolves.
-        nbformat.v4.new_code_cell('import sys; sys.path.insert(0, "code"); import marker; '
-                                  'print(marker.VALUE)'),
+        nbformat.v4.new_code_cell('import sys; sys.path.insert(0, "code"); import marker; print(marker.VALUE)'),
         # Shows which interpreter ran the kernel: it must be the one running the tests.
         nbformat.v4.new_code_cell('print("kernel-prefix:", sys.prefix)'),
     ]
@@ -138,8 +142,9 @@ def test_cache_follows_code_changes(tmp_path):
     assert "first-value" not in html
 
     stdout, unchanged = build_book("--root", tmp_path)
-    print(f"\ntiny book: first build {first:.1f} s, after code change {second:.1f} s, "
-          f"no-change rebuild {unchanged:.1f} s")
+    print(
+        f"\ntiny book: first build {first:.1f} s, after code change {second:.1f} s, no-change rebuild {unchanged:.1f} s"
+    )
     assert "second-value" in page.read_text()
     assert "--all" not in stdout, "nothing changed, the rebuild should be incremental"
     assert unchanged <= 10, f"no-change rebuild took {unchanged:.1f} s, target is 10 s"
@@ -147,7 +152,14 @@ def test_cache_follows_code_changes(tmp_path):
 
 # ---------------------------------------------------------------- six languages in one book
 
-LANGUAGE_LINK_CASES = [("en", "ru"), ("ru", "zh-TW"), ("zh-CN", "ko"), ("ko", "pt-BR"), ("pt-BR", "zh-CN"), ("zh-TW", "en")]
+LANGUAGE_LINK_CASES = [
+    ("en", "ru"),
+    ("ru", "zh-TW"),
+    ("zh-CN", "ko"),
+    ("ko", "pt-BR"),
+    ("pt-BR", "zh-CN"),
+    ("zh-TW", "en"),
+]
 
 
 def test_translated_pages_say_they_are_translations_and_are_current(book):
@@ -157,7 +169,7 @@ def test_translated_pages_say_they_are_translations_and_are_current(book):
     for english in translations.english_chapters(REPO_ROOT):
         for lang in translations.TRANSLATED:
             page = (html / "chapters" / lang / english.with_suffix(".html").name).read_text(encoding="utf-8")
-            page = page[page.index("<article"):]   # the chapter itself, without the theme's sidebars
+            page = page[page.index("<article") :]  # the chapter itself, without the theme's sidebars
             notice = page.find("translation-current")
             assert notice != -1, f"{lang}/{english.stem}: no 'translation is current' notice"
             assert "translation-behind" not in page
@@ -201,23 +213,34 @@ def test_language_link_opens_the_same_chapter(book, browser, start, target):
     name = headers.LANGUAGES[target]
     clicked = browser.evaluate(
         f"(() => {{ const a = [...document.querySelectorAll('article a')].find(a => a.textContent.trim() === {name!r});"
-        " if (!a) return null; a.click(); return a.getAttribute('href'); })()")
+        " if (!a) return null; a.click(); return a.getAttribute('href'); })()"
+    )
     assert clicked == f"../{target}/{chapter}", clicked
-    landed = browser.wait_for(f"location.href.endsWith('/chapters/{target}/{chapter}') && "
-                              "document.readyState === 'complete' && document.querySelector('h1').textContent")
+    landed = browser.wait_for(
+        f"location.href.endsWith('/chapters/{target}/{chapter}') && "
+        "document.readyState === 'complete' && document.querySelector('h1').textContent"
+    )
     title = nbformat.read(REPO_ROOT / "chapters" / target / "03-collectives.ipynb", as_version=4).cells[0].source
     assert landed.strip().rstrip("#").strip() == title.splitlines()[0].lstrip("# ").strip()
 
 
-SEARCHES = [("分布式训练", "chapters/zh-CN/"), ("分散式訓練", "chapters/zh-TW/"), ("분산", "chapters/ko/"),
-            ("распределённое", "chapters/ru/"), ("treinamento", "chapters/pt-BR/"), ("all_reduce", "chapters/en/")]
+SEARCHES = [
+    ("分布式训练", "chapters/zh-CN/"),
+    ("分散式訓練", "chapters/zh-TW/"),
+    ("분산", "chapters/ko/"),
+    ("распределённое", "chapters/ru/"),
+    ("treinamento", "chapters/pt-BR/"),
+    ("all_reduce", "chapters/en/"),
+]
 
 
 @pytest.mark.parametrize("query, folder", SEARCHES, ids=[f for _, f in SEARCHES])
 def test_search_finds_pages_in_every_language(book, browser, query, folder):
     html, _, _ = book
     browser.open((html / "search.html").as_uri() + "?q=" + query)
-    found = browser.wait_for("(() => { const r = [...document.querySelectorAll('#search-results li a')];"
-                             " return document.querySelector('#search-results p')?.textContent && r.map(a => a.href); })()",
-                             timeout=30)
+    found = browser.wait_for(
+        "(() => { const r = [...document.querySelectorAll('#search-results li a')];"
+        " return document.querySelector('#search-results p')?.textContent && r.map(a => a.href); })()",
+        timeout=30,
+    )
     assert any(folder in href for href in found), (query, found[:5])

@@ -25,9 +25,7 @@ ROOT = pathlib.Path(__file__).resolve().parents[2]
 import headers  # noqa: E402
 from distcourse.runtime import languages  # noqa: E402
 
-FIRST_CHAPTERS = [
-    path for lang in languages.CODES for path in sorted((ROOT / "chapters" / lang).glob("01-*.ipynb"))
-]
+FIRST_CHAPTERS = [path for lang in languages.CODES for path in sorted((ROOT / "chapters" / lang).glob("01-*.ipynb"))]
 
 
 def _kernel_without_site(tmp: pathlib.Path, standin: pathlib.Path) -> pathlib.Path:
@@ -61,7 +59,8 @@ def test_first_chapter_runs_as_in_colab(notebook, tmp_path, monkeypatch):
         "import glob, json\n"
         "def blocking_request(kind, timeout_sec=None):\n"
         "    assert kind == 'get_ipynb'\n"
-        "    return {'ipynb': json.load(open(glob.glob('*.ipynb')[0], encoding='utf-8'))}\n")
+        "    return {'ipynb': json.load(open(glob.glob('*.ipynb')[0], encoding='utf-8'))}\n"
+    )
 
     monkeypatch.setenv("JUPYTER_PATH", str(_kernel_without_site(tmp_path, standin)))
     monkeypatch.setenv("DISTCOURSE_REPO_URL", ROOT.as_uri())
@@ -73,9 +72,7 @@ def test_first_chapter_runs_as_in_colab(notebook, tmp_path, monkeypatch):
     nb = nbformat.read(content / notebook.name, as_version=4)
     probe = nbformat.v4.new_code_cell("import distcourse; print(distcourse.__file__); print(distcourse.language())")
     nb.cells.append(probe)  # which distcourse did the notebook use?
-    client = NotebookClient(
-        nb, kernel_name="colab-sim", timeout=300, resources={"metadata": {"path": str(content)}}
-    )
+    client = NotebookClient(nb, kernel_name="colab-sim", timeout=300, resources={"metadata": {"path": str(content)}})
     client.execute()
 
     clone = content / "distributed-training-course"
@@ -86,8 +83,12 @@ def test_first_chapter_runs_as_in_colab(notebook, tmp_path, monkeypatch):
     assert language == notebook.parent.name, f"figure text in {language!r}, the chapter is {notebook.parent.name!r}"
     assert used.startswith(str(clone)), f"the notebook used {used}, not the course it fetched"
     # and this environment's own installation is untouched
-    check = subprocess.run([sys.executable, "-c", "import distcourse; print(distcourse.__file__)"],
-                           capture_output=True, text=True, cwd=tmp_path)
+    check = subprocess.run(
+        [sys.executable, "-c", "import distcourse; print(distcourse.__file__)"],
+        capture_output=True,
+        text=True,
+        cwd=tmp_path,
+    )
     assert check.stdout.strip() == str(ROOT / "code" / "distcourse" / "__init__.py"), check.stderr
 
 

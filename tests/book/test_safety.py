@@ -14,9 +14,7 @@ import nbformat
 import pytest
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
-PY_FILES = sorted(
-    p for folder in ("code", "tools", "tests", "benchmarks") for p in (ROOT / folder).rglob("*.py")
-)
+PY_FILES = sorted(p for folder in ("code", "tools", "tests", "benchmarks") for p in (ROOT / folder).rglob("*.py"))
 NOTEBOOKS = sorted((ROOT / "chapters").glob("*/*.ipynb"))
 THIS_FILE = pathlib.Path(__file__).resolve()
 
@@ -30,7 +28,9 @@ def sources():
         for i, cell in enumerate(nb.cells):
             if cell.cell_type == "code":
                 # IPython magics and shell escapes are not Python syntax
-                code = "\n".join("" if line.lstrip().startswith(("%", "!")) else line for line in cell.source.splitlines())
+                code = "\n".join(
+                    "" if line.lstrip().startswith(("%", "!")) else line for line in cell.source.splitlines()
+                )
                 yield f"{path.relative_to(ROOT).as_posix()} cell {i}", code
 
 
@@ -93,8 +93,11 @@ def test_no_fixed_port_or_wildcard_address(pattern):
 
 def test_the_port_check_can_fail():
     port = "29" + "500"
-    samples = [f'init_method="tcp://127.0.0.1:{port}"', 'os.environ["MASTER_' + f'PORT"] = "{port}"',
-               f"TCPStore(h, port={port})"]
+    samples = [
+        f'init_method="tcp://127.0.0.1:{port}"',
+        'os.environ["MASTER_' + f'PORT"] = "{port}"',
+        f"TCPStore(h, port={port})",
+    ]
     for sample in samples:
         assert any(p.search(sample) for p in PORT_PATTERNS), sample
     assert not any(p.search('sock.bind(("127.0.0.1", 0))') for p in PORT_PATTERNS)

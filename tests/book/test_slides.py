@@ -24,8 +24,14 @@ NOTEBOOKS = headers.notebooks(ROOT)
 CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")
 SCREENSHOTS = ROOT / "_build" / "slides" / "screenshots"
 CHROMIUM_FLAGS = [  # headless, and none of the browser's own background traffic
-    "--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
-    "--disable-background-networking", "--disable-component-update", "--disable-sync",
+    "--headless",
+    "--no-sandbox",
+    "--disable-gpu",
+    "--disable-quic",
+    "--no-first-run",
+    "--disable-background-networking",
+    "--disable-component-update",
+    "--disable-sync",
     "--hide-scrollbars",
 ]
 
@@ -57,7 +63,9 @@ def test_sensible_slide_count(path):
 def chromium(url: str, tmp: pathlib.Path, *extra: str) -> subprocess.CompletedProcess:
     return subprocess.run(
         [CHROMIUM, *CHROMIUM_FLAGS, f"--user-data-dir={tmp / 'profile'}", *extra, url],
-        capture_output=True, text=True, timeout=120,
+        capture_output=True,
+        text=True,
+        timeout=120,
     )
 
 
@@ -85,8 +93,9 @@ def test_deck_renders_offline_in_chromium(tmp_path):
     assert not re.findall(r'<(?:script|link|img)[^>]+(?:src|href)="https?:', html), "a remote script/style/image"
 
     url = deck.as_uri()
-    dom = chromium(url, tmp_path, "--virtual-time-budget=10000", f"--log-net-log={tmp_path / 'net.json'}",
-                   "--dump-dom").stdout
+    dom = chromium(
+        url, tmp_path, "--virtual-time-budget=10000", f"--log-net-log={tmp_path / 'net.json'}", "--dump-dom"
+    ).stdout
     reveal = re.search(r'<div class="(reveal [^"]*)"', dom)
     assert reveal and "ready" in reveal.group(1).split(), "reveal.js did not initialise"
     assert dom.count("<section") == slides + with_sub
@@ -94,8 +103,13 @@ def test_deck_renders_offline_in_chromium(tmp_path):
     # The detector itself works: a page with one remote image is caught.
     control = tmp_path / "control.html"
     control.write_text('<html><body><img src="https://example.invalid/remote.png"></body></html>')
-    chromium(control.as_uri(), tmp_path, "--virtual-time-budget=3000", f"--log-net-log={tmp_path / 'control.json'}",
-             "--dump-dom")
+    chromium(
+        control.as_uri(),
+        tmp_path,
+        "--virtual-time-budget=3000",
+        f"--log-net-log={tmp_path / 'control.json'}",
+        "--dump-dom",
+    )
     assert page_requests(tmp_path / "control.json") == ["https://example.invalid/remote.png"]
 
     nb = nbformat.read(notebook, as_version=4)
@@ -105,8 +119,7 @@ def test_deck_renders_offline_in_chromium(tmp_path):
 
     for name, anchor in (("01-title", "#/0"), ("01-code", f"#/{code_slide[0]}/{code_slide[1]}")):
         png = SCREENSHOTS / f"{name}.png"
-        chromium(url + anchor, tmp_path, "--virtual-time-budget=10000", "--window-size=1280,720",
-                 f"--screenshot={png}")
+        chromium(url + anchor, tmp_path, "--virtual-time-budget=10000", "--window-size=1280,720", f"--screenshot={png}")
         colours = Image.open(png).convert("RGB").getcolors(maxcolors=1 << 16)
         assert colours is None or len(colours) > 20, f"{png} looks blank"
 

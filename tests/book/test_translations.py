@@ -49,15 +49,19 @@ def test_code_is_the_english_code(english, lang):
 @pytest.mark.parametrize("english, lang", PAIRS, ids=PAIR_IDS)
 def test_prose_is_translated(english, lang):
     en, tr = translations.read(english), translations.read(translations.translation_of(english, lang))
-    untranslated = [i for i, (a, b) in enumerate(zip(en.cells, tr.cells))
-                    if a.cell_type == "markdown" and i > 0 and len(a.source) > 80 and a.source == b.source]
+    untranslated = [
+        i
+        for i, (a, b) in enumerate(zip(en.cells, tr.cells))
+        if a.cell_type == "markdown" and i > 0 and len(a.source) > 80 and a.source == b.source
+    ]
     assert not untranslated, f"{english.stem} [{lang}]: markdown cells still in English: {untranslated}"
 
 
 @pytest.mark.parametrize("english, lang", PAIRS, ids=PAIR_IDS)
 def test_glossary_terms_are_used(english, lang):
-    missing = translations.missing_terms(translations.read(english),
-                                         translations.read(translations.translation_of(english, lang)), lang)
+    missing = translations.missing_terms(
+        translations.read(english), translations.read(translations.translation_of(english, lang)), lang
+    )
     assert not missing, f"{english.stem} [{lang}] never writes the glossary term for: " + "; ".join(missing)
 
 
@@ -76,7 +80,8 @@ def test_parity_check_catches_changed_code_not_comments():
     broken = copy.deepcopy(tr)
     broken.cells[i].source += "\nx = 1"
     assert translations.code_differences(english, broken) == [
-        f"cell {i} (id {english.cells[i].id}): code differs from English (run python tools/translations.py sync)"]
+        f"cell {i} (id {english.cells[i].id}): code differs from English (run python tools/translations.py sync)"
+    ]
     swapped = copy.deepcopy(tr)
     swapped.cells[2], swapped.cells[3] = swapped.cells[3], swapped.cells[2]
     assert "cells differ from the English ones" in translations.code_differences(english, swapped)[0]
@@ -84,7 +89,7 @@ def test_parity_check_catches_changed_code_not_comments():
 
 def test_glossary_check_catches_a_missing_term():
     english = translations.read(ENGLISH[0])
-    untranslated = copy.deepcopy(english)   # an "translation" that is still English
+    untranslated = copy.deepcopy(english)  # an "translation" that is still English
     missing = translations.missing_terms(english, untranslated, "ru")
     assert "'distributed training' -> 'распределённое обучение'" in missing
     # inflected forms count: "распределённого обучения" matches the term
@@ -92,7 +97,9 @@ def test_glossary_check_catches_a_missing_term():
     inflected = copy.deepcopy(english)
     inflected.cells[2].source = "Основы распределённого обучения."
     assert translations.missing_terms(english, inflected, "ru", term) == []
-    assert translations.missing_terms(english, untranslated, "zh-TW", term) == ["'distributed training' -> '分散式訓練'"]
+    assert translations.missing_terms(english, untranslated, "zh-TW", term) == [
+        "'distributed training' -> '分散式訓練'"
+    ]
 
 
 @pytest.mark.parametrize("lang", translations.TRANSLATED)
@@ -106,8 +113,9 @@ def test_figure_text_catalog_is_complete(lang):
     for english, translated in catalog.items():
         assert translated.strip(), f"{lang}: empty translation of {english!r}"
         placeholders = sorted(re.findall(r"\{[^}]*\}", english))
-        assert placeholders == sorted(re.findall(r"\{[^}]*\}", translated)), \
+        assert placeholders == sorted(re.findall(r"\{[^}]*\}", translated)), (
             f"{lang}: placeholders differ in {english!r} -> {translated!r}"
+        )
 
 
 def test_figure_text_follows_the_language(capsys):
@@ -140,7 +148,7 @@ def test_cjk_figure_text_draws_without_missing_glyphs(lang):
         for i, text in enumerate(i18n.catalog(lang).values()):
             fig.text(0, i / 100, text.replace("$", r"\$"))
         with warnings.catch_warnings():
-            warnings.simplefilter("error")   # "Glyph ... missing from font(s)" becomes an error
+            warnings.simplefilter("error")  # "Glyph ... missing from font(s)" becomes an error
             fig.canvas.draw()
         plt.close(fig)
     finally:
@@ -151,8 +159,10 @@ def test_cjk_figure_text_draws_without_missing_glyphs(lang):
 def test_diagram_is_translated(lang):
     svg = ROOT / "assets" / f"03-ranks-2-nodes-x-2-gpus.{lang}.svg"
     texts = [n.toxml() for n in xml.dom.minidom.parse(str(svg)).getElementsByTagName("text")]
-    english = [n.toxml() for n in xml.dom.minidom.parse(str(ROOT / "assets/03-ranks-2-nodes-x-2-gpus.svg"))
-               .getElementsByTagName("text")]
+    english = [
+        n.toxml()
+        for n in xml.dom.minidom.parse(str(ROOT / "assets/03-ranks-2-nodes-x-2-gpus.svg")).getElementsByTagName("text")
+    ]
     assert len(texts) == len(english) and texts != english
     chapter = (ROOT / "chapters" / lang / "03-collectives.ipynb").read_text(encoding="utf-8")
     assert f"../../assets/03-ranks-2-nodes-x-2-gpus.{lang}.svg" in chapter
@@ -209,17 +219,22 @@ def test_status_shows_behind_when_english_prose_changes(scratch):
     rows = translations.status(scratch)
     behind = sorted(r["language"] for r in rows if r["state"] == "behind")
     assert behind == sorted(translations.TRANSLATED)
-    assert all(r["code"] == [] for r in rows)       # prose drift is not code drift
+    assert all(r["code"] == [] for r in rows)  # prose drift is not code drift
     (scratch / "chapters/ko/05-checkpoints.ipynb").unlink()
-    assert [r["state"] for r in translations.status(scratch) if r["language"] == "ko" and r["chapter"] == "05-checkpoints"] == ["missing"]
+    assert [
+        r["state"] for r in translations.status(scratch) if r["language"] == "ko" and r["chapter"] == "05-checkpoints"
+    ] == ["missing"]
 
 
 def test_sync_copies_english_code_and_keeps_translated_comments(scratch):
     english_path = scratch / "chapters/en/01-dataloader-workers.ipynb"
     ru_path = scratch / "chapters/ru/01-dataloader-workers.ipynb"
     en, ru = nbformat.read(english_path, as_version=4), nbformat.read(ru_path, as_version=4)
-    i = next(i for i, c in enumerate(ru.cells)
-             if i > 1 and c.cell_type == "code" and any(line.lstrip().startswith("#") for line in c.source.splitlines()))
+    i = next(
+        i
+        for i, c in enumerate(ru.cells)
+        if i > 1 and c.cell_type == "code" and any(line.lstrip().startswith("#") for line in c.source.splitlines())
+    )
     kept = [line for line in ru.cells[i].source.splitlines() if line.lstrip().startswith("#")]
     en.cells[i].source += "\nprint('a line the English gained')"
     nbformat.write(en, english_path)
@@ -229,7 +244,7 @@ def test_sync_copies_english_code_and_keeps_translated_comments(scratch):
     assert translations.code_differences(en, synced) == []
     assert synced.cells[i].source.endswith("print('a line the English gained')")
     assert all(line in synced.cells[i].source for line in kept), "translated comments were lost"
-    assert synced.cells[3].source == ru.cells[3].source      # markdown untouched
+    assert synced.cells[3].source == ru.cells[3].source  # markdown untouched
 
 
 def test_status_command_fails_on_missing_translation(scratch):
@@ -237,8 +252,9 @@ def test_status_command_fails_on_missing_translation(scratch):
     (scratch / "tools").mkdir()
     for tool in ("translations.py", "headers.py"):
         shutil.copy(ROOT / "tools" / tool, scratch / "tools" / tool)
-    result = subprocess.run([sys.executable, str(scratch / "tools/translations.py"), "status", "--check"],
-                            capture_output=True, text=True)
+    result = subprocess.run(
+        [sys.executable, str(scratch / "tools/translations.py"), "status", "--check"], capture_output=True, text=True
+    )
     assert result.returncode == 1
     assert "02-data-parallel                 pt-BR  missing" in result.stdout
 
@@ -250,7 +266,7 @@ def test_search_index_splits_cjk_text_into_pairs():
 
     text = "本章介绍分布式训练 and gradients, 분산 학습을 and распределённое обучение"
     english = SearchEnglish({}).split(text)
-    assert "本章介绍分布式训练" in english and "分布" not in english   # Sphinx alone: one "word" per CJK run
+    assert "本章介绍分布式训练" in english and "分布" not in english  # Sphinx alone: one "word" per CJK run
     words = CourseSearch({}).split(text)
     assert {"分布", "布式", "训练", "분산", "학습", "습을", "gradients", "распределённое"} <= set(words)
 
@@ -258,13 +274,13 @@ def test_search_index_splits_cjk_text_into_pairs():
 def test_notebook_language_comes_from_the_notebook(monkeypatch, tmp_path):
     monkeypatch.delenv("DISTCOURSE_LANG", raising=False)
     monkeypatch.delenv("JPY_SESSION_NAME", raising=False)
-    monkeypatch.chdir(ROOT / "chapters" / "ko")          # Jupyter, nbval, Jupyter Book
+    monkeypatch.chdir(ROOT / "chapters" / "ko")  # Jupyter, nbval, Jupyter Book
     assert i18n.notebook_language() == "ko"
     monkeypatch.setenv("JPY_SESSION_NAME", str(ROOT / "chapters/zh-TW/01-dataloader-workers.ipynb"))
-    assert i18n.notebook_language() == "zh-TW"            # Jupyter Server names the notebook
+    assert i18n.notebook_language() == "zh-TW"  # Jupyter Server names the notebook
     monkeypatch.delenv("JPY_SESSION_NAME")
     monkeypatch.chdir(tmp_path)
-    assert i18n.notebook_language() == "en"               # nothing to go by
+    assert i18n.notebook_language() == "en"  # nothing to go by
     # every code cell, the setup cell included, is the same in every language
     for english, lang in PAIRS:
         tr = translations.read(translations.translation_of(english, lang))

@@ -94,9 +94,7 @@ def test_simulated_ring_sums_in_both_directions(n):
     values = [torch.arange(2 * n + 1.0) * (r + 1) for r in range(n)]
     for final in collectives.simulate_ring(values):
         assert torch.equal(final, sum(values))
-    left = collectives.simulate_ring(
-        values, lambda r, s, n: (r + s) % n, lambda r, s, n: (r - 1 + s) % n, direction=-1
-    )
+    left = collectives.simulate_ring(values, lambda r, s, n: (r + s) % n, lambda r, s, n: (r - 1 + s) % n, direction=-1)
     assert all(torch.equal(final, sum(values)) for final in left)
 
 

@@ -141,14 +141,18 @@ def test_dcp_planner_refuses_code_in_non_tensor_entries(tmp):
     marker = tmp / "marker.txt"
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # "assuming the intent is to ... a single process"
-        dcp.save({"w": torch.ones(2), "lr": 0.5, "note": checkpoints.RunsCodeWhenLoaded(marker)},
-                 checkpoint_id=tmp / "ckpt", no_dist=True)
+        dcp.save(
+            {"w": torch.ones(2), "lr": 0.5, "note": checkpoints.RunsCodeWhenLoaded(marker)},
+            checkpoint_id=tmp / "ckpt",
+            no_dist=True,
+        )
         plain = {"w": torch.zeros(2), "lr": 0.0}
         dcp.load(plain, checkpoint_id=tmp / "ckpt", planner=checkpoints.weights_only_planner(), no_dist=True)
         assert plain["lr"] == 0.5 and torch.equal(plain["w"], torch.ones(2))  # plain entries load
         with pytest.raises(CheckpointException, match="leave_marker"):  # (a BaseException)
-            dcp.load({"note": None}, checkpoint_id=tmp / "ckpt", planner=checkpoints.weights_only_planner(),
-                     no_dist=True)
+            dcp.load(
+                {"note": None}, checkpoint_id=tmp / "ckpt", planner=checkpoints.weights_only_planner(), no_dist=True
+            )
     assert not marker.exists()
 
 
@@ -162,8 +166,14 @@ def test_crash_mid_write_atomic_vs_in_place(tmp, no_leftovers):
         checkpoints.atomic_save({"step": 1}, path)
     for path, is_atomic in ((atomic, True), (naive, False)):
         with pytest.raises(distcourse.RankFailed, match="SIGKILL"):
-            distcourse.launch(checkpoints.save_and_die, 1, args=(path, is_atomic),
-                              kwargs={"megabytes": 2, "die_after": 2**20}, init_process_group=False, quiet=True)
+            distcourse.launch(
+                checkpoints.save_and_die,
+                1,
+                args=(path, is_atomic),
+                kwargs={"megabytes": 2, "die_after": 2**20},
+                init_process_group=False,
+                quiet=True,
+            )
     assert checkpoints.load_checkpoint(atomic)["step"] == 1
     assert [p.stat().st_size for p in checkpoints.stale_temp_files(tmp)] == [2**20]
     assert naive.stat().st_size == 2**20
@@ -178,12 +188,15 @@ def test_interrupted_and_resumed_run_equals_the_uninterrupted_one(tmp, no_leftov
     kwargs = {"steps": 12, "every": 4}
     a = distcourse.launch(checkpoints.train_run, 2, args=(data, tmp / "A"), kwargs=kwargs, quiet=True)
     with pytest.raises(distcourse.RankFailed) as info:
-        distcourse.launch(checkpoints.train_run, 2, args=(data, tmp / "B"),
-                          kwargs={**kwargs, "crash_at": (1, 6)}, quiet=True)
+        distcourse.launch(
+            checkpoints.train_run, 2, args=(data, tmp / "B"), kwargs={**kwargs, "crash_at": (1, 6)}, quiet=True
+        )
     assert info.value.rank == 1
     b = checkpoints.read_losses(tmp / "B" / "losses.jsonl")
     assert checkpoints.latest_checkpoint(tmp / "B").name == "step-0004.pt"
-    c = distcourse.launch(checkpoints.train_run, 2, args=(data, tmp / "B"), kwargs={**kwargs, "resume": True}, quiet=True)
+    c = distcourse.launch(
+        checkpoints.train_run, 2, args=(data, tmp / "B"), kwargs={**kwargs, "resume": True}, quiet=True
+    )
     assert min(c[0]["losses"]) == 4
     resumed = {**{s: v for s, v in b.items() if s < 4}, **c[0]["losses"]}
     assert resumed == a[0]["losses"]
@@ -267,8 +280,11 @@ def _equal(a, b):
 
 def test_async_save_with_its_own_group_while_training_goes_on(tmp, no_leftovers):
     runs = distcourse.launch(
-        checkpoints.dcp_async_save_while_training, world_size=2, args=(tmp / "async",),
-        kwargs={"steps": 7, "save_at": (2, 4, 6)}, quiet=True,
+        checkpoints.dcp_async_save_while_training,
+        world_size=2,
+        args=(tmp / "async",),
+        kwargs={"steps": 7, "save_at": (2, 4, 6)},
+        quiet=True,
     )
     for r in runs:
         assert [s["step"] for s in r["saves"]] == [2, 4, 6]

@@ -37,7 +37,10 @@ def reference_grads(model_kwargs, x, y):
 
 
 def test_same_seed_same_model_and_stages_are_slices():
-    a, b = model_parallel.two_stage_model(width=16, depth=3, seed=4), model_parallel.two_stage_model(width=16, depth=3, seed=4)
+    a, b = (
+        model_parallel.two_stage_model(width=16, depth=3, seed=4),
+        model_parallel.two_stage_model(width=16, depth=3, seed=4),
+    )
     assert all(torch.equal(p, q) for p, q in zip(a.parameters(), b.parameters()))
     assert not torch.equal(a[0][0].weight, model_parallel.two_stage_model(width=16, depth=3, seed=5)[0][0].weight)
     works = [m for m in model_parallel.two_stage_model(work=(0.2, 0.1)).modules() if isinstance(m, model_parallel.Work)]
@@ -80,7 +83,9 @@ def test_simulated_gpipe_has_the_predicted_bubble(p, m):
 
 
 def test_simulate_follows_dependencies_and_unequal_costs():
-    events = model_parallel.simulate([model_parallel.gpipe_order(s, 2, 2) for s in range(2)], forward=[2, 1], backward=[4, 2])
+    events = model_parallel.simulate(
+        [model_parallel.gpipe_order(s, 2, 2) for s in range(2)], forward=[2, 1], backward=[4, 2]
+    )
     (s0, s1) = events
     assert [e[2:] for e in s0] == [(0, 2), (2, 4), (7, 11), (11, 15)]
     assert [e[2:] for e in s1] == [(2, 3), (4, 5), (5, 7), (7, 9)]
@@ -174,8 +179,14 @@ def test_recorded_pipeline_stages_wait_for_the_compute_stream_only(fake_cuda):
 def test_hand_written_pipeline_gives_the_full_batch_gradient():
     x, y = dp.digits_batch(10)  # 3 micro-batches of 4, 3 and 3 samples: the weighting matters
     model_kwargs = {"width": 16, "depth": 2}
-    results = distcourse.launch(model_parallel.pipeline_run, 2, args=(model_kwargs, x, y, [1, 3]), kwargs={"repeats": 1},
-                                backend="gloo", quiet=True)
+    results = distcourse.launch(
+        model_parallel.pipeline_run,
+        2,
+        args=(model_kwargs, x, y, [1, 3]),
+        kwargs={"repeats": 1},
+        backend="gloo",
+        quiet=True,
+    )
     loss, expected = reference_grads(model_kwargs, x, y)
     for m in (1, 3):
         grads = model_parallel.stage_grads(results, m)
@@ -209,8 +220,14 @@ def test_torch_schedules_match_the_unsplit_model(schedule):
 @pytest.mark.usefixtures("no_leftovers")
 def test_two_replicas_of_a_pipeline_take_the_full_batch_step():
     x, y = dp.digits_batch(32)
-    grid = distcourse.launch(pipeline.ddp_pipeline_step, 4, args=({"width": 16, "depth": 2}, x, y, 2),
-                             kwargs={"lr": 0.5}, backend="gloo", quiet=True)
+    grid = distcourse.launch(
+        pipeline.ddp_pipeline_step,
+        4,
+        args=({"width": 16, "depth": 2}, x, y, 2),
+        kwargs={"lr": 0.5},
+        backend="gloo",
+        quiet=True,
+    )
     trained, _, loss = dp.full_batch_step(model_parallel.two_stage_model(width=16, depth=2), x, y, lr=0.5)
     expected = dict(trained.named_parameters())
     assert [(g["replica"], g["stage"]) for g in grid] == [(0, 0), (0, 1), (1, 0), (1, 1)]

@@ -172,7 +172,9 @@ def _misbehave(then, rank, pid_dir):
         code = "import signal, time; signal.signal(signal.SIGTERM, signal.SIG_IGN); time.sleep(600)"
         out = subprocess.run(
             ["sh", "-c", f'"{sys.executable}" -c "{code}" >/dev/null 2>&1 & echo $!'],
-            capture_output=True, text=True, check=True,
+            capture_output=True,
+            text=True,
+            check=True,
         ).stdout
         _record(pid_dir, f"orphan{rank}", [int(out)])
         raise ValueError("deliberate failure after starting an orphan")

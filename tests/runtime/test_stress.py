@@ -76,7 +76,9 @@ def test_rank_exits_nonzero():
 
 
 def test_rank_killed_by_signal():
-    repeat("a rank is killed (SIGKILL)", lambda: expect(RankFailed, lambda e: "SIGKILL" in str(e), w.kill_self), limit=10)
+    repeat(
+        "a rank is killed (SIGKILL)", lambda: expect(RankFailed, lambda e: "SIGKILL" in str(e), w.kill_self), limit=10
+    )
 
 
 def test_rank_killed_while_others_wait_in_a_collective():
@@ -190,4 +192,7 @@ def test_orphaned_grandchild_that_ignores_sigterm():
 
 
 def pytest_terminal_summary_table() -> list[str]:
-    return [f"{passed:3d}/{attempts:<3d} worst {worst:6.2f} s  {name}" for name, (passed, attempts, worst) in RESULTS.items()]
+    return [
+        f"{passed:3d}/{attempts:<3d} worst {worst:6.2f} s  {name}"
+        for name, (passed, attempts, worst) in RESULTS.items()
+    ]

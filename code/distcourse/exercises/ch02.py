@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import torch
-
 from .. import data_parallel as dp
 from . import verdict
 
@@ -35,4 +33,6 @@ def check_weighted_reduce(reduce) -> bool:
                 f"{dp.max_difference(replicas[0], reference):.1e}; weight each replica's gradient by "
                 "its chunk's share of the batch"
             )
-    return verdict(problems, "Correct: with chunks of 4, 3 and 3 samples the replicas take exactly the full-batch step.")
+    return verdict(
+        problems, "Correct: with chunks of 4, 3 and 3 samples the replicas take exactly the full-batch step."
+    )

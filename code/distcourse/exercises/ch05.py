@@ -75,7 +75,9 @@ def check_atomic_save(atomic_save) -> bool:
         leftovers = sorted(p.name for p in directory.iterdir() if p.name != path.name)
         if leftovers:
             problems.append(f"temporary files left behind in the directory: {leftovers}")
-    return verdict(problems, "Correct: complete files only, flushed to disk before the rename, no debris after a failure.")
+    return verdict(
+        problems, "Correct: complete files only, flushed to disk before the rename, no debris after a failure."
+    )
 
 
 def _check_failed_save(atomic_save, path: pathlib.Path) -> list[str]:
@@ -108,7 +110,5 @@ def _check_os_calls(events, path: pathlib.Path) -> list[str]:
         )
     move_at = events.index(moves[-1])
     if not any(e[0] == "fsync" for e in events[:move_at]):
-        problems.append(
-            "no os.fsync before the rename: after a power loss the renamed file may be empty"
-        )
+        problems.append("no os.fsync before the rename: after a power loss the renamed file may be empty")
     return problems

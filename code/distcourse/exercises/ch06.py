@@ -41,6 +41,8 @@ def check_one_f_one_b(order) -> bool:
                 "Let each stage run enough forwards before its first backward to keep the pipeline full."
             )
             return False
-    print("Correct: your 1F1B schedule is as fast as GPipe and keeps at most p - s micro-batches "
-          "in flight on stage s, for 2 to 4 stages.")
+    print(
+        "Correct: your 1F1B schedule is as fast as GPipe and keeps at most p - s micro-batches "
+        "in flight on stage s, for 2 to 4 stages."
+    )
     return True

@@ -30,7 +30,7 @@ def check_global_rank(global_rank) -> bool:
         if got != expected:
             problems.append(f"global_rank({node}, {local}, {nproc}) returned {got!r}")
     if not problems:  # every worker of a 3-node x 4-process job gets its own rank 0..11
-        ranks = sorted(global_rank(n, l, 4) for n in range(3) for l in range(4))
+        ranks = sorted(global_rank(n, local, 4) for n in range(3) for local in range(4))
         if ranks != list(range(12)):
             problems.append(f"3 nodes x 4 processes give ranks {ranks}, not 0..11 once each")
     return verdict(problems[:4], "Correct: node rank times processes per node, plus the local rank.")

@@ -12,8 +12,16 @@ from ..sharding import MIXED_ADAM, zero_bytes
 
 # (GPU memory in bytes, number of GPUs, ZeRO stage)
 CASES = [
-    (80e9, 1, 0), (80e9, 8, 0), (80e9, 8, 1), (80e9, 8, 2), (80e9, 8, 3),
-    (24e9, 4, 1), (24e9, 4, 2), (24e9, 4, 3), (40e9, 64, 1), (16e9, 2, 3),
+    (80e9, 1, 0),
+    (80e9, 8, 0),
+    (80e9, 8, 1),
+    (80e9, 8, 2),
+    (80e9, 8, 3),
+    (24e9, 4, 1),
+    (24e9, 4, 2),
+    (24e9, 4, 3),
+    (40e9, 64, 1),
+    (16e9, 2, 3),
 ]
 STAGE_NAMES = {0: "stage 0 (plain DDP)", 1: "stage 1", 2: "stage 2", 3: "stage 3 (FSDP)"}
 
@@ -24,8 +32,7 @@ def _per_rank(num_params: int, world_size: int, stage: int) -> float:
 
 def _fits_exactly(answer, gpu_bytes: float, world_size: int, stage: int) -> bool:
     """``answer`` parameters fit, and one more would not (so no rounding puzzles)."""
-    return (_per_rank(answer, world_size, stage) <= gpu_bytes
-            and _per_rank(answer + 1, world_size, stage) > gpu_bytes)
+    return _per_rank(answer, world_size, stage) <= gpu_bytes and _per_rank(answer + 1, world_size, stage) > gpu_bytes
 
 
 def check_max_params(max_params) -> bool:
@@ -41,8 +48,10 @@ def check_max_params(max_params) -> bool:
             print("Not yet: my_max_params returns None. Replace `pass` with your formula.")
             return False
         if not isinstance(answer, int) or isinstance(answer, bool):
-            problems.append(f"max_params({gpu_bytes:.0e}, {world_size}, {stage}) returned {answer!r}: "
-                            "a number of parameters is a whole number (use int(...) or //)")
+            problems.append(
+                f"max_params({gpu_bytes:.0e}, {world_size}, {stage}) returned {answer!r}: "
+                "a number of parameters is a whole number (use int(...) or //)"
+            )
             continue
         if not _fits_exactly(answer, gpu_bytes, world_size, stage):
             too_many = _per_rank(answer, world_size, stage) > gpu_bytes

@@ -38,9 +38,11 @@ LANGUAGES = languages.CODES
 LOCALE_DIR = pathlib.Path(__file__).resolve().parents[1] / "locale"
 # Preferred family first; any of them draws the glyphs (see languages.py).
 CJK_FONTS = {lang.code: list(lang.fonts) for lang in languages.LANGUAGES if lang.fonts}
-FONT_FILES = ["/usr/share/fonts/opentype/noto/NotoSansCJK-Regular.ttc",
-              "/usr/share/fonts/opentype/noto/NotoSansCJK*.ttc",
-              "/usr/share/fonts/truetype/noto/NotoSansCJK*.ttc"]
+FONT_FILES = [
+    "/usr/share/fonts/opentype/noto/NotoSansCJK-Regular.ttc",
+    "/usr/share/fonts/opentype/noto/NotoSansCJK*.ttc",
+    "/usr/share/fonts/truetype/noto/NotoSansCJK*.ttc",
+]
 
 _language = "en"
 _catalog: dict[str, str] = {}
@@ -75,8 +77,12 @@ def _cjk_font(code: str, install: bool) -> str | None:
                 font_manager.fontManager.addfont(path)
         found = installed()
     if found is None and install and shutil.which("apt-get"):
-        subprocess.run(["apt-get", "install", "-y", "-qq", "fonts-noto-cjk"], check=False,
-                       stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        subprocess.run(
+            ["apt-get", "install", "-y", "-qq", "fonts-noto-cjk"],
+            check=False,
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+        )
         return _cjk_font(code, install=False)
     return found
 
@@ -105,6 +111,7 @@ def notebook_language() -> str:
         return here.name
     try:
         from google.colab import _message  # Colab's own channel to the notebook it shows
+
         return _language_of(_message.blocking_request("get_ipynb", timeout_sec=10)["ipynb"])
     except Exception:  # not in Colab, or Colab did not answer: English
         return "en"
@@ -123,12 +130,14 @@ def set_language(code: str | None = None, install_fonts: bool = False) -> str:
     if code in CJK_FONTS:
         font = _cjk_font(code, install_fonts)
         if font is None:
-            print(f"No Chinese/Korean font found, so figures keep their English text. "
-                  f"To get translated figures install one (Debian/Ubuntu/Colab: apt-get install fonts-noto-cjk) "
-                  f"and run this cell again.")
+            print(
+                "No Chinese/Korean font found, so figures keep their English text. "
+                "To get translated figures install one (Debian/Ubuntu/Colab: apt-get install fonts-noto-cjk) "
+                "and run this cell again."
+            )
             code, entries = "en", {}
         else:
-            family.append(font)   # matplotlib falls back to it for glyphs DejaVu Sans lacks
+            family.append(font)  # matplotlib falls back to it for glyphs DejaVu Sans lacks
     matplotlib.rcParams["font.family"] = family
     _language, _catalog = code, entries
     return code

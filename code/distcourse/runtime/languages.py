@@ -31,51 +31,82 @@ ENGLISH = Language("en", "English", "en", "en", (), "Other languages", "", ("", 
 LANGUAGES: tuple[Language, ...] = (
     ENGLISH,
     Language(
-        "ru", "Русский", "ru", "ru", (), "Другие языки",
+        "ru",
+        "Русский",
+        "ru",
+        "ru",
+        (),
+        "Другие языки",
         "*Это перевод [английской версии главы]({english}). Актуален ли перевод, показывает "
         "[страница статуса переводов]({status}).*",
-        ("Перевод",
-         "Это перевод английской главы «{title}». Перевод актуален: английский текст с тех пор не менялся.",
-         "Это перевод английской главы «{title}». Английский текст изменился после перевода "
-         "(версия {was}, сейчас {now}); отличия смотрите в оригинале."),
+        (
+            "Перевод",
+            "Это перевод английской главы «{title}». Перевод актуален: английский текст с тех пор не менялся.",
+            "Это перевод английской главы «{title}». Английский текст изменился после перевода "
+            "(версия {was}, сейчас {now}); отличия смотрите в оригинале.",
+        ),
     ),
     Language(
-        "zh-CN", "简体中文", "zh_CN", "zh-CN",
+        "zh-CN",
+        "简体中文",
+        "zh_CN",
+        "zh-CN",
         ("Noto Sans CJK SC", "Source Han Sans SC", "Microsoft YaHei", "PingFang SC", "WenQuanYi Zen Hei", "SimHei"),
         "其他语言",
         "*本章译自[英文原版]({english})。译文是否与英文同步，请见[翻译状态页]({status})。*",
-        ("译文", "本页译自英文章节《{title}》。译文与英文同步：英文自翻译以来没有改动。",
-         "本页译自英文章节《{title}》。英文在翻译之后有改动（译自版本 {was}，当前版本 {now}），请对照英文原文。"),
+        (
+            "译文",
+            "本页译自英文章节《{title}》。译文与英文同步：英文自翻译以来没有改动。",
+            "本页译自英文章节《{title}》。英文在翻译之后有改动（译自版本 {was}，当前版本 {now}），请对照英文原文。",
+        ),
     ),
     Language(
-        "zh-TW", "繁體中文", "zh_TW", "zh-TW",
+        "zh-TW",
+        "繁體中文",
+        "zh_TW",
+        "zh-TW",
         ("Noto Sans CJK TC", "Source Han Sans TC", "Microsoft JhengHei", "PingFang TC", "WenQuanYi Zen Hei"),
         "其他語言",
         "*本章譯自[英文原版]({english})。譯文是否與英文同步，請見[翻譯狀態頁]({status})。*",
-        ("譯文", "本頁譯自英文章節《{title}》。譯文與英文同步：英文自翻譯以來沒有變動。",
-         "本頁譯自英文章節《{title}》。英文在翻譯之後有變動（譯自版本 {was}，目前版本 {now}），請對照英文原文。"),
+        (
+            "譯文",
+            "本頁譯自英文章節《{title}》。譯文與英文同步：英文自翻譯以來沒有變動。",
+            "本頁譯自英文章節《{title}》。英文在翻譯之後有變動（譯自版本 {was}，目前版本 {now}），請對照英文原文。",
+        ),
     ),
     Language(
-        "pt-BR", "Português (Brasil)", "pt_BR", "pt-BR", (), "Outros idiomas",
+        "pt-BR",
+        "Português (Brasil)",
+        "pt_BR",
+        "pt-BR",
+        (),
+        "Outros idiomas",
         "*Este capítulo é uma tradução do [original em inglês]({english}). Veja na "
         "[página de status das traduções]({status}) se ela está em dia.*",
-        ("Tradução",
-         "Esta página é uma tradução do capítulo em inglês “{title}”. A tradução está em dia: "
-         "o texto em inglês não mudou desde então.",
-         "Esta página é uma tradução do capítulo em inglês “{title}”. O texto em inglês mudou depois "
-         "da tradução (versão {was}, agora {now}); confira o original."),
+        (
+            "Tradução",
+            "Esta página é uma tradução do capítulo em inglês “{title}”. A tradução está em dia: "
+            "o texto em inglês não mudou desde então.",
+            "Esta página é uma tradução do capítulo em inglês “{title}”. O texto em inglês mudou depois "
+            "da tradução (versão {was}, agora {now}); confira o original.",
+        ),
     ),
     Language(
-        "ko", "한국어", "ko", "ko",
+        "ko",
+        "한국어",
+        "ko",
+        "ko",
         ("Noto Sans CJK KR", "Source Han Sans KR", "Malgun Gothic", "Apple SD Gothic Neo", "NanumGothic"),
         "다른 언어",
         "*이 장은 [영어 원문]({english})을 번역한 것입니다. 번역이 최신인지는 [번역 현황 페이지]({status})에서 "
         "확인할 수 있습니다.*",
-        ("번역",
-         "이 페이지는 영어 장 “{title}”을 번역한 것입니다. 번역은 최신 상태입니다. "
-         "번역 이후 영어 원문이 바뀌지 않았습니다.",
-         "이 페이지는 영어 장 “{title}”을 번역한 것입니다. 번역 이후 영어 원문이 바뀌었습니다"
-         "(번역 기준 {was}, 현재 {now}). 원문을 함께 확인하세요."),
+        (
+            "번역",
+            "이 페이지는 영어 장 “{title}”을 번역한 것입니다. 번역은 최신 상태입니다. "
+            "번역 이후 영어 원문이 바뀌지 않았습니다.",
+            "이 페이지는 영어 장 “{title}”을 번역한 것입니다. 번역 이후 영어 원문이 바뀌었습니다"
+            "(번역 기준 {was}, 현재 {now}). 원문을 함께 확인하세요.",
+        ),
     ),
 )
 

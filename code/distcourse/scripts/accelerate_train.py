@@ -9,13 +9,13 @@ size from the environment the launcher sets, so torchrun works as well as
 ``accelerate launch`` (which, for several GPUs, calls torchrun's code itself).
 """
 
-import distcourse  # noqa: F401
 import torch
 from accelerate import Accelerator
 from accelerate import __version__ as accelerate_version
 from torch import nn
 from torch.utils.data import DataLoader
 
+import distcourse  # noqa: F401
 from distcourse import libraries
 
 
@@ -39,14 +39,21 @@ def main():
         losses.append(accelerator.reduce(loss.detach(), reduction="mean").item())  # the global batch's loss
     rank, world_size, backend = accelerator.process_index, accelerator.num_processes, torch.distributed.get_backend()
     ranks = libraries.rank_facts(first)
-    libraries.say(rank, f"world size {world_size}, backend {backend}, {accelerator.distributed_type}, "
-                        f"model wrapped in {type(wrapped).__name__}, {len(losses)} steps, final loss {losses[-1]:.6f}")
-    libraries.say(rank, f"process start to Accelerator {ready:.1f} s, "
-                        f"training {libraries.seconds_since_start() - ready:.1f} s")
+    libraries.say(
+        rank,
+        f"world size {world_size}, backend {backend}, {accelerator.distributed_type}, "
+        f"model wrapped in {type(wrapped).__name__}, {len(losses)} steps, final loss {losses[-1]:.6f}",
+    )
+    libraries.say(
+        rank, f"process start to Accelerator {ready:.1f} s, training {libraries.seconds_since_start() - ready:.1f} s"
+    )
     if accelerator.is_main_process:
         result = libraries.record("accelerate", losses, accelerator.unwrap_model(wrapped), ranks)
-        result.update(version=accelerate_version, wrapper=type(wrapped).__name__,
-                      distributed_type=str(accelerator.distributed_type))
+        result.update(
+            version=accelerate_version,
+            wrapper=type(wrapped).__name__,
+            distributed_type=str(accelerator.distributed_type),
+        )
         libraries.save_result(args.out, result)
     accelerator.end_training()  # destroys the process group
 

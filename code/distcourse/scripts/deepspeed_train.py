@@ -11,13 +11,13 @@ the gradient averaging and the ZeRO sharding: the loop calls ``engine(x)``,
 
 import os
 
-import distcourse  # noqa: F401
 import deepspeed
 import torch
 from deepspeed.accelerator import get_accelerator
 from torch import nn
 from torch.utils.data import DataLoader, DistributedSampler
 
+import distcourse  # noqa: F401
 from distcourse import libraries
 from distcourse.common.training import global_mean
 
@@ -64,8 +64,9 @@ def main():
     deepspeed.init_distributed(dist_backend="nccl" if on_gpus else "gloo")
     ready = libraries.seconds_since_start()
     model = libraries.make_model()
-    engine, optimizer, _, _ = deepspeed.initialize(model=model, model_parameters=model.parameters(),
-                                                   config=config(args.zero_stage))
+    engine, optimizer, _, _ = deepspeed.initialize(
+        model=model, model_parameters=model.parameters(), config=config(args.zero_stage)
+    )
     dataset = libraries.load_task(args.data)
     loader = DataLoader(dataset, batch_size=libraries.BATCH, sampler=DistributedSampler(dataset, shuffle=False))
     rank, world_size = torch.distributed.get_rank(), torch.distributed.get_world_size()
@@ -79,16 +80,28 @@ def main():
     ranks = libraries.rank_facts(first)
     weights = full_weights(engine, args.zero_stage)
     backend = torch.distributed.get_backend()
-    libraries.say(rank, f"world size {world_size}, backend {backend}, ZeRO stage {engine.zero_optimization_stage()}, "
-                        f"optimizer {type(optimizer).__name__}, {len(losses)} steps, final loss {losses[-1]:.6f}")
-    libraries.say(rank, f"process start to process group {ready:.1f} s, "
-                        f"engine and training {libraries.seconds_since_start() - ready:.1f} s")
+    libraries.say(
+        rank,
+        f"world size {world_size}, backend {backend}, ZeRO stage {engine.zero_optimization_stage()}, "
+        f"optimizer {type(optimizer).__name__}, {len(losses)} steps, final loss {losses[-1]:.6f}",
+    )
+    libraries.say(
+        rank,
+        f"process start to process group {ready:.1f} s, "
+        f"engine and training {libraries.seconds_since_start() - ready:.1f} s",
+    )
     if rank == 0:
         result = libraries.record("deepspeed", losses, model, ranks)
         inner = type(optimizer.optimizer)  # the torch optimizer that ZeRO's wrapper steps on its partition
-        result.update(weights=weights, version=deepspeed.__version__, zero_stage=engine.zero_optimization_stage(),
-                      wrapper=type(engine).__name__, optimizer=type(optimizer).__name__,
-                      inner_optimizer=f"{inner.__module__}.{inner.__name__}", accelerator=get_accelerator()._name)
+        result.update(
+            weights=weights,
+            version=deepspeed.__version__,
+            zero_stage=engine.zero_optimization_stage(),
+            wrapper=type(engine).__name__,
+            optimizer=type(optimizer).__name__,
+            inner_optimizer=f"{inner.__module__}.{inner.__name__}",
+            accelerator=get_accelerator()._name,
+        )
         libraries.save_result(args.out, result)
     torch.distributed.destroy_process_group()
 

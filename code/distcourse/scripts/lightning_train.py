@@ -8,12 +8,12 @@ environment). The training code has no distributed calls: the Trainer starts the
 group, wraps the model in DDP and lets backward average the gradients.
 """
 
-import distcourse  # noqa: F401  (first: makes torchvision importable, which Lightning imports)
 import lightning.pytorch as pl
 import torch
 from torch import nn
 from torch.utils.data import DataLoader, DistributedSampler
 
+import distcourse  # noqa: F401  (first: makes torchvision importable, which Lightning imports)
 from distcourse import libraries
 
 
@@ -56,24 +56,34 @@ def main():
     dataset = libraries.load_task(args.data)
     module = DigitsModule(dataset)
     trainer = pl.Trainer(
-        strategy="ddp", devices=libraries.WORLD_SIZE,
+        strategy="ddp",
+        devices=libraries.WORLD_SIZE,
         accelerator="gpu" if torch.cuda.device_count() >= libraries.WORLD_SIZE else "cpu",
-        max_epochs=1, logger=False, enable_checkpointing=False, enable_progress_bar=False,
+        max_epochs=1,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
         enable_model_summary=False,
     )
     ready = libraries.seconds_since_start()
     trainer.fit(module)
     rank, world_size, backend = trainer.global_rank, trainer.world_size, torch.distributed.get_backend()
     ranks = libraries.rank_facts(module.first_batch)
-    libraries.say(rank, f"world size {world_size}, backend {backend}, model wrapped in {module.wrapper}, "
-                        f"{len(module.losses)} steps, final loss {module.losses[-1]:.6f}")
+    libraries.say(
+        rank,
+        f"world size {world_size}, backend {backend}, model wrapped in {module.wrapper}, "
+        f"{len(module.losses)} steps, final loss {module.losses[-1]:.6f}",
+    )
     libraries.say(rank, f"process start to Trainer {ready:.1f} s, fit {libraries.seconds_since_start() - ready:.1f} s")
     if rank == 0:
         result = libraries.record("lightning", module.losses, module.model, ranks)
         launcher = trainer.strategy.launcher
-        result.update(version=pl.__version__, wrapper=module.wrapper,
-                      launcher=[type(launcher).__name__, launcher.is_interactive_compatible],
-                      default_sampler=default_training_sampler(trainer, dataset))
+        result.update(
+            version=pl.__version__,
+            wrapper=module.wrapper,
+            launcher=[type(launcher).__name__, launcher.is_interactive_compatible],
+            default_sampler=default_training_sampler(trainer, dataset),
+        )
         libraries.save_result(args.out, result)
 
 
