@@ -242,7 +242,7 @@ def padded_numel(shape, world_size: int) -> int:
     return rows * math.prod(shape[1:])
 
 
-def ring_traffic(num_params: int, world_size: int, stage: int) -> float:
+def ring_traffic(num_params: int, world_size: int, stage: int, zero_redundancy_optimizer: bool = False) -> float:
     """Elements each rank sends per training step with ring collectives (chapter 03's cost).
 
     A ring reduce-scatter or all-gather of the whole model sends (N-1)/N of it per rank;
@@ -250,6 +250,15 @@ def ring_traffic(num_params: int, world_size: int, stage: int) -> float:
     all-reduce into its halves: reduce-scatter the gradients, all-gather the updated
     weights. Stage 3 all-gathers the weights twice (forward and backward), because it
     freed them in between, and reduce-scatters the gradients: three halves instead of two.
+
+    ``zero_redundancy_optimizer``: stage 1 as PyTorch's ``ZeroRedundancyOptimizer`` does it
+    under DDP: DDP still all-reduces every gradient (two halves), then each rank broadcasts
+    the parameters it updated (on a ring a broadcast of M elements costs (N-1)/N of M per
+    rank on average, so all of them add up to one more half): 1.5x DDP.
     """
     half = (world_size - 1) / world_size * num_params
+    if zero_redundancy_optimizer:
+        if stage != 1:
+            raise ValueError(f"ZeroRedundancyOptimizer shards the optimizer state only: stage 1, not {stage}")
+        return 3 * half
     return 3 * half if stage == 3 else 2 * half

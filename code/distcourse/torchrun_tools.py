@@ -130,32 +130,52 @@ def run(command: list[str], timeout: float = 60.0, env=None, check: bool = True)
 
 
 def run_together(commands: list[list[str]], timeout: float = 60.0, env=None, check: bool = True,
-                 grace: float = 5.0) -> list[Result]:
+                 grace: float = 5.0, start_when=None) -> list[Result]:
     """Start every command at once (e.g. one torchrun agent per "node") and wait for all.
 
     env: one environment for all (default ``child_env()``), or a list with one per command.
+    start_when: optionally, one entry per command: None (start at once) or a function of no
+    arguments; the command starts as soon as it returns True (e.g. a node that joins a job
+    once the job is training). A command whose moment never comes is reported with
+    ``returncode`` None.
     On timeout, on an interrupted cell, or when one fails and ``check`` is set: every
     process and all their descendants are stopped before this returns or raises; after
     a failure the others first get ``grace`` seconds to end on their own.
     """
     envs = env if isinstance(env, list) else [child_env() if env is None else env] * len(commands)
+    conditions = list(start_when) if start_when is not None else [None] * len(commands)
     started = time.monotonic()
-    procs, files = [], []
+    procs, files = [None] * len(commands), []
     # torchrun leaves a log folder in the temporary directory after every run: give it ours.
     with tempfile.TemporaryDirectory(prefix="torchrun-") as scratch:
+
+        def start(i):
+            out, err = files[i]
+            procs[i] = subprocess.Popen(commands[i], stdout=out, stderr=err, env={**envs[i], "TMPDIR": scratch},
+                                        start_new_session=True)
+
         try:
-            for cmd, cmd_env in zip(commands, envs):
-                out, err = tempfile.TemporaryFile(), tempfile.TemporaryFile()
-                files.append((out, err))
-                procs.append(subprocess.Popen(cmd, stdout=out, stderr=err, env={**cmd_env, "TMPDIR": scratch},
-                                              start_new_session=True))
-            timed_out = _wait_all(procs, started + timeout, stop_on_failure=check, grace=grace)
+            files.extend((tempfile.TemporaryFile(), tempfile.TemporaryFile()) for _ in commands)
+            for i, condition in enumerate(conditions):
+                if condition is None:
+                    start(i)
+            while any(p is None for p in procs) and time.monotonic() < started + timeout:
+                if check and any(p is not None and p.poll() not in (None, 0) for p in procs):
+                    break  # one failed already: start nothing more
+                for i, condition in enumerate(conditions):
+                    if procs[i] is None and condition():
+                        start(i)
+                time.sleep(0.05)
+            running = [p for p in procs if p is not None]
+            timed_out = _wait_all(running, started + timeout, stop_on_failure=check, grace=grace)
+            timed_out = timed_out or (len(running) < len(procs) and not (check and any(p.returncode for p in running)))
         finally:
             for p in procs:  # no-op for processes that have exited and have no descendants left
-                stop(p)
+                if p is not None:
+                    stop(p)
     seconds = time.monotonic() - started
     results = [
-        Result(cmd, p.pid, p.returncode, _read(out), _read(err), seconds)
+        Result(cmd, p.pid if p else 0, p.returncode if p else None, _read(out), _read(err), seconds)
         for cmd, p, (out, err) in zip(commands, procs, files)
     ]
     if timed_out:
@@ -222,11 +242,14 @@ def sbatch_options(script=SLURM_SCRIPT) -> dict[str, str]:
     return options
 
 
-def slurm_dry_run(script=SLURM_SCRIPT, nodes=("node-a", "node-b"), job_id: str = "4242", timeout: float = 10) -> list[list[str]]:
+def slurm_dry_run(script=SLURM_SCRIPT, nodes=("node-a", "node-b"), job_id: str = "4242", timeout: float = 10,
+                  srun_env: dict | None = None) -> list[list[str]]:
     """Run the batch script with stand-ins for ``scontrol`` and ``srun``; return srun's argument lists.
 
     The stand-ins answer ``scontrol show hostnames`` with ``nodes`` and record every srun
     call instead of starting anything, so the test sees the exact commands a cluster would get.
+    ``srun_env``: a dict whose keys name variables; filled with their values as srun saw them
+    (None where unset), i.e. what the script exported for torchrun.
     """
     options = sbatch_options(script)
     with tempfile.TemporaryDirectory() as tmp:
@@ -235,14 +258,17 @@ def slurm_dry_run(script=SLURM_SCRIPT, nodes=("node-a", "node-b"), job_id: str =
         _stub(bin_dir / "scontrol", 'if sys.argv[1:3] == ["show", "hostnames"]:\n'
                                     '    print("\\n".join(os.environ["FAKE_NODES"].split(",")))')
         _stub(bin_dir / "srun", 'with open(os.environ["FAKE_SRUN_LOG"], "a") as f:\n'
-                                '    f.write(json.dumps(sys.argv[1:]) + "\\n")')
+                                '    f.write(json.dumps([sys.argv[1:], dict(os.environ)]) + "\\n")')
         env = {**os.environ, "PATH": f"{bin_dir}{os.pathsep}{os.environ.get('PATH', '')}",
                "FAKE_NODES": ",".join(nodes), "FAKE_SRUN_LOG": str(log),
                "SLURM_JOB_ID": job_id, "SLURM_JOB_NODELIST": ",".join(nodes), "SLURM_NNODES": str(len(nodes)),
                "SLURM_CPUS_PER_TASK": options.get("cpus-per-task", "1"), "CKPT_DIR": str(pathlib.Path(tmp, "ckpt"))}
         subprocess.run(["bash", str(script)], env=env, cwd=tmp, check=True, timeout=timeout,
                        capture_output=True, text=True)
-        return [json.loads(line) for line in log.read_text().splitlines()] if log.exists() else []
+        calls = [json.loads(line) for line in log.read_text().splitlines()] if log.exists() else []
+        for name in srun_env or {}:
+            srun_env[name] = calls[-1][1].get(name) if calls else None
+        return [argv for argv, _ in calls]
 
 
 def _stub(path: pathlib.Path, body: str) -> None:

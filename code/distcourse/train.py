@@ -28,15 +28,30 @@ import torch
 import torch.distributed as dist
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
+from tqdm.auto import tqdm
 
 from . import checkpoints
 
-# What --print-env shows: the variables torchrun sets for each worker.
+# What --print-env shows: the variables torchrun sets for each worker, and CUDA_VISIBLE_DEVICES,
+# which it does not set (unless --virtual-local-rank): workers inherit it from the agent.
 TORCHRUN_VARS = (
-    "RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "GROUP_RANK", "GROUP_WORLD_SIZE",
-    "ROLE_RANK", "ROLE_NAME", "ROLE_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT",
-    "TORCHELASTIC_RESTART_COUNT", "TORCHELASTIC_MAX_RESTARTS", "TORCHELASTIC_RUN_ID",
-    "TORCHELASTIC_USE_AGENT_STORE", "OMP_NUM_THREADS",
+    "RANK",
+    "LOCAL_RANK",
+    "WORLD_SIZE",
+    "LOCAL_WORLD_SIZE",
+    "GROUP_RANK",
+    "GROUP_WORLD_SIZE",
+    "ROLE_RANK",
+    "ROLE_NAME",
+    "ROLE_WORLD_SIZE",
+    "MASTER_ADDR",
+    "MASTER_PORT",
+    "TORCHELASTIC_RESTART_COUNT",
+    "TORCHELASTIC_MAX_RESTARTS",
+    "TORCHELASTIC_RUN_ID",
+    "TORCHELASTIC_USE_AGENT_STORE",
+    "OMP_NUM_THREADS",
+    "CUDA_VISIBLE_DEVICES",
 )
 
 
@@ -51,6 +66,13 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--save-every", type=int, default=5)
     p.add_argument("--timeout", type=float, default=60.0, help="process group timeout, seconds")
     p.add_argument("--print-env", action="store_true", help="each rank prints its torchrun variables")
+    p.add_argument(
+        "--progress",
+        choices=("auto", "on", "off"),
+        default="auto",
+        help="a progress bar on rank 0; auto: only when stderr is a terminal, not in log files",
+    )
+    p.add_argument("--step-seconds", type=float, default=0.0, help="sleep per step: a stand-in for a bigger model")
     # Fault injection, for the chapter's demonstrations of restarts and timeouts:
     p.add_argument("--crash-at", type=int, help="on the first attempt, the last rank dies in this step")
     p.add_argument("--hang-at", type=int, help="the last rank stops responding before this step")
@@ -69,34 +91,56 @@ def choose_device(local_rank: int, local_world_size: int) -> tuple[torch.device,
     return torch.device("cpu"), "gloo"
 
 
-def init_distributed(backend: str, device: torch.device, timeout: float) -> list[str] | None:
+def init_distributed(backend: str, device: torch.device, timeout: float) -> dict:
     """init_process_group for a torchrun worker, safe to repeat after an elastic restart.
 
-    torchrun's agent serves a key-value store (at MASTER_ADDR:MASTER_PORT) that workers
-    use to find each other. After a restart the new workers get the *same* store, which
-    still holds the keys the crashed attempt wrote under the same names; a worker may read
-    such a stale key (a dead peer's address) before its new value arrives. So each attempt
-    writes under its own prefix, ``attempt<TORCHELASTIC_RESTART_COUNT>/``.
+    Workers meet in a key-value store at MASTER_ADDR:MASTER_PORT: each rank writes its
+    address there under a fixed key and reads the others'. Which store that is decides
+    whether a restart works:
 
-    Returns the keys that earlier attempts left in the launcher's store (for --print-env).
+    - ``TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1`` in the agents' environment (workers then see
+      ``TORCHELASTIC_USE_AGENT_STORE=False``): in every rendezvous round the agent of node 0
+      picks a new free port and publishes it through that round of the rendezvous, which
+      all nodes read alike; worker rank 0 hosts a new, empty store there. Plain ``env://``.
+    - torchrun's default (``TORCHELASTIC_USE_AGENT_STORE=True``): the store belongs to node
+      0's agent and outlives restarts, still holding the keys of the crashed attempt, which
+      a new worker may read before its peer has replaced them. Each attempt then needs a
+      key of its own. The only one a worker is given is ``TORCHELASTIC_RESTART_COUNT``,
+      and that count is kept by each agent: on one node it names every attempt uniquely,
+      but with several nodes a node restarted by a peer's failure or by a joining node
+      does not count that restart (and a node that joins late starts at 0). Ranks on
+      different nodes would wait under different names until the timeout. So: the prefix
+      ``attempt<count>/`` on one node, and a clear error where it cannot be right.
+
+    Returns what the chapter shows: the kind of store, and the keys that earlier attempts
+    left in the agent's store.
     """
     rank, world_size = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     attempt = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
     limit = datetime.timedelta(seconds=timeout)  # gloo's default would be 30 minutes
+    # NCCL binds its communicator to the device given here; torch refuses device_id on the CPU.
+    on_gpu = {"device_id": device} if device.type == "cuda" else {}
     if device.type == "cuda":
-        torch.cuda.set_device(device)
-    if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True":
-        launcher_store = dist.TCPStore(
-            os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), is_master=False, timeout=limit
+        torch.cuda.set_device(device)  # before init_process_group: NCCL starts on this GPU
+    if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True":
+        # A new store every rendezvous round (or not torchrun at all): nothing stale to avoid.
+        dist.init_process_group(backend, init_method="env://", timeout=limit, **on_gpu)
+        return {"store": "new each round", "left_over": []}
+    nodes, restarts = env_int("GROUP_WORLD_SIZE", default=1), env_int("TORCHELASTIC_MAX_RESTARTS", default=0)
+    if nodes > 1 and restarts > 0:
+        raise ValueError(
+            f"{nodes} nodes with --max-restarts={restarts} and torchrun's shared store: restart "
+            "counts differ between nodes, so attempts cannot be told apart. Start every torchrun "
+            "agent with TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 (a new store each rendezvous round)"
         )
-        prefix = f"attempt{attempt}/"
-        left_over = keys_left_over(launcher_store, prefix)
-        store = dist.PrefixStore(prefix, launcher_store)
-        dist.init_process_group(backend, store=store, rank=rank, world_size=world_size, timeout=limit)
-        return left_over
-    # Started by something else that sets RANK: the usual env:// rendezvous.
-    dist.init_process_group(backend, init_method="env://", timeout=limit)
-    return []
+    launcher_store = dist.TCPStore(
+        os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), is_master=False, timeout=limit
+    )
+    prefix = f"attempt{attempt}/"
+    left_over = keys_left_over(launcher_store, prefix)
+    store = dist.PrefixStore(prefix, launcher_store)
+    dist.init_process_group(backend, store=store, rank=rank, world_size=world_size, timeout=limit, **on_gpu)
+    return {"store": "agent's, prefix " + prefix, "left_over": left_over}
 
 
 def keys_left_over(store, prefix: str) -> list[str] | None:
@@ -193,8 +237,10 @@ def check_launcher_env() -> None:
     rank, local_rank = env_int("RANK"), env_int("LOCAL_RANK")
     world_size, local_world_size = env_int("WORLD_SIZE", minimum=1), env_int("LOCAL_WORLD_SIZE", minimum=1)
     if not (rank < world_size and local_rank < local_world_size):
-        raise ValueError(f"RANK={rank} / LOCAL_RANK={local_rank} do not fit WORLD_SIZE={world_size} / "
-                         f"LOCAL_WORLD_SIZE={local_world_size}; let torchrun set these variables")
+        raise ValueError(
+            f"RANK={rank} / LOCAL_RANK={local_rank} do not fit WORLD_SIZE={world_size} / "
+            f"LOCAL_WORLD_SIZE={local_world_size}; let torchrun set these variables"
+        )
 
 
 def main(argv=None) -> None:
@@ -213,9 +259,9 @@ def main(argv=None) -> None:
         env = {k: os.environ[k] for k in TORCHRUN_VARS if k in os.environ}
         say(rank, "worker " + json.dumps({"pid": os.getpid(), "argv": sys.argv[1:], "env": env}))
     if ddp:
-        left_over = init_distributed(backend, device, args.timeout)
-        if args.print_env and master_process and attempt > 0:
-            say(rank, "keys left by earlier attempts " + json.dumps(left_over))
+        store = init_distributed(backend, device, args.timeout)
+        if args.print_env and master_process:
+            say(rank, "store " + json.dumps(store))
     try:
         train(args, rank, world_size, device, attempt, master_process)
     finally:
@@ -230,8 +276,11 @@ def train(args, rank: int, world_size: int, device, attempt: int, master_process
     start, resumed_from = resume(args.ckpt_dir, model, optimizer)
     if master_process:
         where = f"{dist.get_backend()} on {device}" if distributed else f"one process on {device}"
-        say(rank, f"attempt {attempt}: world size {world_size} ({where}), global batch "
-                  f"{world_size * args.batch_size}, {torch.get_num_threads()} thread(s) per process")
+        say(
+            rank,
+            f"attempt {attempt}: world size {world_size} ({where}), global batch "
+            f"{world_size * args.batch_size}, {torch.get_num_threads()} thread(s) per process",
+        )
         if resumed_from:
             say(rank, f"resumed from step {start} ({resumed_from})")
     net = DDP(model, device_ids=[device.index] if device.type == "cuda" else None) if distributed else model
@@ -240,7 +289,19 @@ def train(args, rank: int, world_size: int, device, attempt: int, master_process
         args.out.mkdir(parents=True, exist_ok=True)
 
     loss = torch.zeros(())
-    for step in range(start, args.steps):
+    # One bar, on the master process only: every rank drawing its own would interleave. tqdm
+    # writes to stderr; in a log file (a SLURM job, a notebook capturing the output) each
+    # redraw would be a line of its own, so "auto" draws only on a terminal (disable=None).
+    show = {"auto": None, "on": False, "off": True}[args.progress]
+    bar = tqdm(
+        range(start, args.steps),
+        initial=start,
+        total=args.steps,
+        unit="step",
+        desc=f"rank {rank}, attempt {attempt}",
+        disable=show if master_process else True,
+    )
+    for step in bar:
         if step == args.hang_at and rank == world_size - 1:
             say(rank, f"simulated hang before step {step}")
             time.sleep(3600)
@@ -253,7 +314,10 @@ def train(args, rank: int, world_size: int, device, attempt: int, master_process
             say(rank, f"simulated crash in step {step}")
             os._exit(1)  # no exception, no cleanup: like a segfault or a lost node
         optimizer.step()
+        if args.step_seconds:
+            time.sleep(args.step_seconds)
         loss = global_mean(loss.detach())  # the loss of the whole global batch
+        bar.set_postfix(loss=f"{loss.item():.4f}", refresh=False)
         if master_process and args.out:
             with open(args.out / "losses.jsonl", "a") as f:
                 f.write(json.dumps({"step": step, "loss": loss.item(), "attempt": attempt}) + "\n")
@@ -264,11 +328,17 @@ def train(args, rank: int, world_size: int, device, attempt: int, master_process
             if distributed:
                 dist.barrier()  # nobody runs ahead of a checkpoint that is still being written
 
+    bar.close()
     if master_process:
         if args.out:
             checkpoints.atomic_save({k: v.cpu() for k, v in model.state_dict().items()}, args.out / "final.pt")
-        say(rank, "result " + json.dumps({"steps": args.steps, "world_size": world_size,
-                                          "loss": loss.item(), "checksum": checksum(model)}))
+        say(
+            rank,
+            "result "
+            + json.dumps(
+                {"steps": args.steps, "world_size": world_size, "loss": loss.item(), "checksum": checksum(model)}
+            ),
+        )
 
 
 def global_mean(value: torch.Tensor) -> torch.Tensor:

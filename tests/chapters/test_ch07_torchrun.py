@@ -88,8 +88,15 @@ def test_no_hard_coded_ports_outside_the_slurm_script():
 
 
 def test_torchrun_and_single_process_agree(reference, tmp_path, no_leftovers):
-    run = tt.run(tt.torchrun("--standalone", "--nproc-per-node=2",
-                             script_args=script_args(tmp_path, "--print-env")), timeout=120)
+    run = tt.run(
+        tt.torchrun(
+            "--standalone", "--nproc-per-node=2", script_args=script_args(tmp_path, "--print-env", "--progress", "on")
+        ),
+        timeout=120,
+    )
+    # The progress bar, asked for on every rank, is drawn by rank 0 only, to stderr.
+    assert "rank 0, attempt 0: 100%" in run.stderr and "rank 1, attempt" not in run.stderr
+    assert run.json(0, "store") == {"store": "agent's, prefix attempt0/", "left_over": []}
     result = run.json(0, "result")
     assert result["world_size"] == 2
     same_as(reference, result, tmp_path)
@@ -97,17 +104,52 @@ def test_torchrun_and_single_process_agree(reference, tmp_path, no_leftovers):
     assert sorted(workers) == [0, 1]
     for rank, w in workers.items():
         env = w["env"]
-        assert (env["RANK"], env["LOCAL_RANK"], env["WORLD_SIZE"], env["LOCAL_WORLD_SIZE"]) == (str(rank), str(rank), "2", "2")
+        assert (env["RANK"], env["LOCAL_RANK"], env["WORLD_SIZE"], env["LOCAL_WORLD_SIZE"]) == (
+            str(rank),
+            str(rank),
+            "2",
+            "2",
+        )
         assert env["GROUP_RANK"] == "0" and env["TORCHELASTIC_RESTART_COUNT"] == "0"
         assert not any(a.startswith("--local") for a in w["argv"])  # torchrun adds no --local-rank
     assert [r for r in run.ranks if run.all_json(r, "result")] == [0]  # only the master reports
+
+
+def test_progress_bar_on_rank_0_only_where_it_keeps_logs_clean(tmp_path):
+    for progress, drawn in (("on", True), ("off", False), ("auto", False)):  # auto: pytest's stderr is no terminal
+        err = io.StringIO()
+        with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(err):
+            train.main(["--steps", "3", "--progress", progress])
+        assert ("rank 0, attempt 0: 100%" in err.getvalue()) == drawn, (progress, err.getvalue())
+
+
+def test_shared_store_with_restarts_on_several_nodes_is_refused(monkeypatch):
+    """Restart counts are per agent: with torchrun's shared store they cannot name an attempt on 2 nodes."""
+    env = {
+        "RANK": "0",
+        "LOCAL_RANK": "0",
+        "WORLD_SIZE": "2",
+        "LOCAL_WORLD_SIZE": "1",
+        "GROUP_WORLD_SIZE": "2",
+        "TORCHELASTIC_USE_AGENT_STORE": "True",
+        "TORCHELASTIC_MAX_RESTARTS": "3",
+        "TORCHELASTIC_RESTART_COUNT": "0",
+        "MASTER_ADDR": "127.0.0.1",
+        "MASTER_PORT": str(tt.free_port()),
+    }
+    for key, value in env.items():
+        monkeypatch.setenv(key, value)
+    with pytest.raises(ValueError, match="TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1"):
+        train.main(["--steps", "1", "--timeout", "2"])
 
 
 def test_legacy_launcher_passes_local_rank_and_torchrun_does_not():
     args = ["--standalone", "--nproc-per-node=2", "-m", "distcourse.train"]
     assert tt.worker_command("torchrun", args, 1)[1:] == ["-u", "-m", "distcourse.train"]
     assert tt.worker_command("torch.distributed.launch", args, 1)[-1] == "--local-rank=1"
-    assert tt.worker_command("torch.distributed.launch", ["--use-env"] + args, 1) == tt.worker_command("torchrun", args, 1)
+    assert tt.worker_command("torch.distributed.launch", ["--use-env"] + args, 1) == tt.worker_command(
+        "torchrun", args, 1
+    )
 
 
 # --- helpers: ports, parsing, teardown ----------------------------------------------------
@@ -140,7 +182,9 @@ def _gone(pid: int) -> bool:
 @pytest.mark.slow  # waits for an 8 s timeout
 def test_timeout_stops_agent_and_workers(tmp_path, no_leftovers):
     # The last rank hangs; the other waits in a collective: only the timeout can end this.
-    cmd = tt.torchrun("--standalone", "--nproc-per-node=2", script_args=script_args(tmp_path, "--print-env", "--hang-at", 2))
+    cmd = tt.torchrun(
+        "--standalone", "--nproc-per-node=2", script_args=script_args(tmp_path, "--print-env", "--hang-at", 2)
+    )
     started = time.monotonic()
     with pytest.raises(tt.TorchrunTimeout) as info:
         tt.run(cmd, timeout=8)
@@ -165,6 +209,21 @@ def test_failure_of_one_agent_stops_the_other(no_leftovers):
     assert not tt.group_alive(second.pid)
 
 
+def test_run_together_starts_a_command_when_its_moment_comes(tmp_path, no_leftovers):
+    flag = tmp_path / "flag"
+    first = [sys.executable, "-c", f"import pathlib, time; time.sleep(0.3); pathlib.Path({str(flag)!r}).touch()"]
+    second = [
+        sys.executable,
+        "-c",
+        f"import pathlib; print('[rank 0] flag there:', pathlib.Path({str(flag)!r}).exists())",
+    ]
+    _, late = tt.run_together([first, second], timeout=30, start_when=[None, flag.exists])
+    assert late.ranks == {0: ["flag there: True"]}
+    with pytest.raises(tt.TorchrunTimeout) as err:  # a moment that never comes is a timeout
+        tt.run_together([first, second], timeout=1.5, start_when=[None, lambda: False])
+    assert err.value.results[0].returncode == 0 and err.value.results[1].returncode is None
+
+
 def test_interrupted_wait_stops_everything(monkeypatch, no_leftovers):
     def interrupted(*args, **kwargs):
         time.sleep(0.3)
@@ -178,8 +237,14 @@ def test_interrupted_wait_stops_everything(monkeypatch, no_leftovers):
 def test_child_env_makes_distcourse_importable_anywhere(tmp_path):
     env = tt.child_env()
     assert env["OMP_NUM_THREADS"] == "1"
-    out = subprocess.run([sys.executable, "-c", "import distcourse.train, os; print(os.environ['OMP_NUM_THREADS'])"],
-                         env=env, cwd=tmp_path, capture_output=True, text=True, check=True)
+    out = subprocess.run(
+        [sys.executable, "-c", "import distcourse.train, os; print(os.environ['OMP_NUM_THREADS'])"],
+        env=env,
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        check=True,
+    )
     assert out.stdout.strip() == "1"
 
 
@@ -193,7 +258,9 @@ def test_slurm_script_is_valid_bash():
 def test_slurm_script_runs_torchrun_once_per_node_with_c10d_rendezvous():
     options = tt.sbatch_options()
     assert options["nodes"] == "2" and options["ntasks-per-node"] == "1" and "gpus-per-node" in options
-    calls = tt.slurm_dry_run(nodes=("gpu17", "gpu18"), job_id="991")
+    seen = {"TORCH_DISABLE_SHARE_RDZV_TCP_STORE": None}
+    calls = tt.slurm_dry_run(nodes=("gpu17", "gpu18"), job_id="991", srun_env=seen)
+    assert seen["TORCH_DISABLE_SHARE_RDZV_TCP_STORE"] == "1"  # a new store each round: restarts on 2 nodes work
     assert len(calls) == 1
     words = calls[0]
     assert words[0] == "torchrun"
@@ -231,8 +298,10 @@ def test_global_rank_check_rejects_wrong_and_accepts_right(capsys):
 
 
 def test_torchrun_command_check_rejects_wrong_and_accepts_right(capsys):
-    right = ("torchrun --nnodes=4 --nproc-per-node=8 --rdzv-id=777 --rdzv-backend=c10d "
-             "--rdzv-endpoint=gpu-node-01:29500 -m distcourse.train")
+    right = (
+        "torchrun --nnodes=4 --nproc-per-node=8 --rdzv-id=777 --rdzv-backend=c10d "
+        "--rdzv-endpoint=gpu-node-01:29500 -m distcourse.train"
+    )
     assert ch07.check_torchrun_command(right) is True
     assert ch07.check_torchrun_command(right.replace("--nproc-per-node=8", "--nproc_per_node 8") + " --steps 5")
     wrong = [
@@ -256,8 +325,8 @@ def test_notebook_exercise_cells_hold_stubs():
 
     nb = nbformat.read(CODE.parents[1] / "chapters/en/07-torchrun.ipynb", as_version=4)
     code = [c.source for c in nb.cells if c.cell_type == "code"]
-    assert "    pass" in code[-2] and "ch07.check_global_rank(my_global_rank)" in code[-2]
-    assert 'my_command = ""' in code[-1] and "ch07.check_torchrun_command(my_command)" in code[-1]
+    assert "    pass" in code[-2] and ".check_global_rank(my_global_rank)" in code[-2]
+    assert 'my_command = ""' in code[-1] and ".check_torchrun_command(my_command)" in code[-1]
 
 
 # --- slow: multi-node and repeated elastic restarts --------------------------------------
@@ -267,9 +336,16 @@ def test_notebook_exercise_cells_hold_stubs():
 def test_two_agents_as_two_nodes(reference, tmp_path, no_leftovers):
     port, run_id = tt.free_port(), uuid.uuid4().hex
     nodes = [
-        tt.torchrun("--nnodes=2", "--nproc-per-node=1", f"--node-rank={n}", "--rdzv-backend=c10d",
-                    f"--rdzv-endpoint=127.0.0.1:{port}", f"--rdzv-id={run_id}", "--local-addr=127.0.0.1",
-                    script_args=script_args(tmp_path, "--print-env"))
+        tt.torchrun(
+            "--nnodes=2",
+            "--nproc-per-node=1",
+            f"--node-rank={n}",
+            "--rdzv-backend=c10d",
+            f"--rdzv-endpoint=127.0.0.1:{port}",
+            f"--rdzv-id={run_id}",
+            "--local-addr=127.0.0.1",
+            script_args=script_args(tmp_path, "--print-env"),
+        )
         for n in (0, 1)
     ]
     env = tt.child_env(CUDA_VISIBLE_DEVICES="")
@@ -288,9 +364,17 @@ ELASTIC_RESULTS: list[bool] = []
 def test_elastic_restart_resumes_and_matches(reference, tmp_path, attempt, no_leftovers):
     ok = False
     try:
-        run = tt.run(tt.torchrun("--standalone", "--nproc-per-node=2", "--max-restarts=2",
-                                 script_args=script_args(tmp_path, "--ckpt-dir", tmp_path, "--save-every", 3,
-                                                         "--crash-at", 5, "--print-env")), timeout=120)
+        run = tt.run(
+            tt.torchrun(
+                "--standalone",
+                "--nproc-per-node=2",
+                "--max-restarts=2",
+                script_args=script_args(
+                    tmp_path, "--ckpt-dir", tmp_path, "--save-every", 3, "--crash-at", 5, "--print-env"
+                ),
+            ),
+            timeout=120,
+        )
         restarts = [w["env"]["TORCHELASTIC_RESTART_COUNT"] for w in run.all_json(0, "worker")]
         assert restarts == ["0", "1"]
         assert run.ranks[1].count("simulated crash in step 5") == 1
@@ -310,8 +394,14 @@ def test_elastic_restart_resumes_and_matches(reference, tmp_path, attempt, no_le
 @pytest.mark.parametrize(
     "env, message",
     [
-        ({"RANK": "zero", "LOCAL_RANK": "0", "WORLD_SIZE": "2", "LOCAL_WORLD_SIZE": "2"}, "RANK='zero' is not an integer"),
-        ({"RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "0", "LOCAL_WORLD_SIZE": "1"}, "WORLD_SIZE=0 must be at least 1"),
+        (
+            {"RANK": "zero", "LOCAL_RANK": "0", "WORLD_SIZE": "2", "LOCAL_WORLD_SIZE": "2"},
+            "RANK='zero' is not an integer",
+        ),
+        (
+            {"RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "0", "LOCAL_WORLD_SIZE": "1"},
+            "WORLD_SIZE=0 must be at least 1",
+        ),
         ({"RANK": "3", "LOCAL_RANK": "0", "WORLD_SIZE": "2", "LOCAL_WORLD_SIZE": "2"}, "do not fit"),
         ({"RANK": "0"}, "LOCAL_RANK is not set"),
     ],

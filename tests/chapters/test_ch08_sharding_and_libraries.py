@@ -33,6 +33,10 @@ def test_offloading_moves_optimizer_and_gradients_then_parameters():
 def test_stage_3_sends_one_and_a_half_times_what_ddp_sends():
     assert sharding.ring_traffic(100, 4, 0) == sharding.ring_traffic(100, 4, 2) == 150
     assert sharding.ring_traffic(100, 4, 3) == 225
+    # PyTorch's ZeroRedundancyOptimizer: DDP's all-reduce plus a broadcast of the parameters
+    assert sharding.ring_traffic(100, 4, 1, zero_redundancy_optimizer=True) == 225
+    with pytest.raises(ValueError):
+        sharding.ring_traffic(100, 4, 2, zero_redundancy_optimizer=True)
 
 
 def test_padding_rounds_the_first_dimension_up():
@@ -167,10 +171,13 @@ def test_a_hanging_script_is_stopped_with_all_its_children(monkeypatch, tmp_path
 
     # Like torchrun, the "launcher" starts its rank in a session of its own; then both sleep.
     pid_file = tmp_path / "rank.pid"
-    _fake_launcher(monkeypatch, "import subprocess, sys, time; "
-                                "rank = subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(60)'], "
-                                f"start_new_session=True); open({str(pid_file)!r}, 'w').write(str(rank.pid)); "
-                                "time.sleep(60)")
+    _fake_launcher(
+        monkeypatch,
+        "import subprocess, sys, time; "
+        "rank = subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(60)'], "
+        f"start_new_session=True); open({str(pid_file)!r}, 'w').write(str(rank.pid)); "
+        "time.sleep(60)",
+    )
     with pytest.raises(TimeoutError, match="did not finish in 3 s"):
         libraries.run_script("deepspeed", libraries.task_data(1), timeout=3)
     rank_pid = int(pid_file.read_text())
