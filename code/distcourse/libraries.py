@@ -186,11 +186,13 @@ def command_line(library: str, extra_args=()) -> str:
 
 
 def run_script(library: str, data, *, extra_args=(), timeout: float = 120.0, env=None,
-               show_log: bool = False) -> dict:
+               show_log: bool = False, quiet: bool = False) -> dict:
     """Run one library's training script under its launcher; return its result and timing.
 
     The script's own lines (prefixed ``[rank r]``) are printed; the libraries' logging is
     kept in ``result["log"]`` and printed only with ``show_log=True`` or on failure.
+    ``quiet``: print nothing, keep what would have been printed in ``result["shown"]`` (for
+    runs in threads of their own, whose output would interleave).
     """
     with tempfile.TemporaryDirectory(prefix=f"ch08-{library}-") as tmp:
         out, data_file = pathlib.Path(tmp) / "result.json", pathlib.Path(tmp) / "data.pt"
@@ -213,13 +215,15 @@ def run_script(library: str, data, *, extra_args=(), timeout: float = 120.0, env
         ours = [line for line in log.splitlines() if line.startswith("[rank ")]
         if process.returncode != 0 or not out.exists():
             raise RuntimeError(f"{library} run failed (exit code {process.returncode}); its log:\n{log}")
-        print("\n".join(sorted(ours, key=lambda line: line[:8])))  # stable: grouped by rank
+        shown = "\n".join(sorted(ours, key=lambda line: line[:8]))  # stable: grouped by rank
         if show_log:
-            print(log)
+            shown += "\n" + log
         else:
-            print(f"({len(log.splitlines()) - len(ours)} lines of {library}'s own log hidden: result['log'])")
+            shown += f"\n({len(log.splitlines()) - len(ours)} lines of {library}'s own log hidden: result['log'])"
+        if not quiet:
+            print(shown)
         result = load_result(out)
-    result.update(seconds=seconds, log=log, command=command)
+    result.update(seconds=seconds, log=log, command=command, shown=shown)
     return result
 
 
