@@ -73,8 +73,13 @@ def make_optimizer(params) -> torch.optim.Optimizer:
 
 def rank_facts(first_batch) -> list[dict]:
     """Every rank's process and the samples it trained on in step 0, gathered on every rank (a collective)."""
-    mine = {"first_batch": first_batch, "pid": os.getpid(), "parent": os.getppid(), "argv": sys.argv[1:],
-            "env": {k: os.environ.get(k) for k in ("RANK", "LOCAL_RANK", "WORLD_SIZE")}}
+    mine = {
+        "first_batch": first_batch,
+        "pid": os.getpid(),
+        "parent": os.getppid(),
+        "argv": sys.argv[1:],
+        "env": {k: os.environ.get(k) for k in ("RANK", "LOCAL_RANK", "WORLD_SIZE")},
+    }
     everyone = [None] * dist.get_world_size()
     dist.all_gather_object(everyone, mine)
     return everyone
@@ -185,8 +190,9 @@ def command_line(library: str, extra_args=()) -> str:
     return " ".join(["python", *command[1:]])
 
 
-def run_script(library: str, data, *, extra_args=(), timeout: float = 120.0, env=None,
-               show_log: bool = False, quiet: bool = False) -> dict:
+def run_script(
+    library: str, data, *, extra_args=(), timeout: float = 120.0, env=None, show_log: bool = False, quiet: bool = False
+) -> dict:
     """Run one library's training script under its launcher; return its result and timing.
 
     The script's own lines (prefixed ``[rank r]``) are printed; the libraries' logging is
@@ -199,8 +205,14 @@ def run_script(library: str, data, *, extra_args=(), timeout: float = 120.0, env
         torch.save(tuple(data), data_file)
         command = launch_command(library, ["--data", str(data_file), "--out", str(out), *extra_args])
         started = time.perf_counter()
-        process = subprocess.Popen(command, env={**_environment(library), **(env or {})}, cwd=tmp,
-                                   stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        process = subprocess.Popen(
+            command,
+            env={**_environment(library), **(env or {})},
+            cwd=tmp,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+        )
         try:
             log, _ = process.communicate(timeout=timeout)
         except subprocess.TimeoutExpired:

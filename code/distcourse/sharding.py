@@ -53,8 +53,15 @@ def zero_bytes(num_params: int, world_size: int, stage: int, bytes_per_param: di
     return out
 
 
-def placement(num_params: int, world_size: int, stage: int, *, offload_optimizer: bool = False,
-              offload_params: bool = False, bytes_per_param: dict = MIXED_ADAM) -> dict:
+def placement(
+    num_params: int,
+    world_size: int,
+    stage: int,
+    *,
+    offload_optimizer: bool = False,
+    offload_params: bool = False,
+    bytes_per_param: dict = MIXED_ADAM,
+) -> dict:
     """Persistent model-state bytes per GPU, and per machine in CPU memory, with offloading.
 
     offload_optimizer (DeepSpeed ZeRO-Offload): the optimizer states live in CPU memory and
@@ -118,9 +125,12 @@ def memory_report(model: nn.Module, optimizer) -> dict:
     moments = [s[k] for s in state.values() for k in ("exp_avg", "exp_avg_sq")]
     steps = [s["step"] for s in state.values()]  # one scalar step counter per parameter tensor
     return {
-        "params": local_bytes(params), "grads": local_bytes(grads), "optimizer": local_bytes(moments),
+        "params": local_bytes(params),
+        "grads": local_bytes(grads),
+        "optimizer": local_bytes(moments),
         "step_counters": local_bytes(steps),
-        "params_storage": storage_bytes(params), "grads_storage": storage_bytes(grads),
+        "params_storage": storage_bytes(params),
+        "grads_storage": storage_bytes(grads),
         "numel": {name: _local(p).numel() for name, p in model.named_parameters()},
     }
 

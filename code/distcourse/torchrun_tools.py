@@ -34,7 +34,7 @@ RANK_LINE = re.compile(r"^\[rank (\d+)\] (.*)$")
 class TorchrunError(RuntimeError):
     """A torchrun process failed; ``results`` holds what every process printed."""
 
-    def __init__(self, message: str, results: list["Result"]):
+    def __init__(self, message: str, results: list[Result]):
         super().__init__(message)
         self.results = results
 
@@ -129,8 +129,9 @@ def run(command: list[str], timeout: float = 60.0, env=None, check: bool = True)
     return run_together([command], timeout=timeout, env=env, check=check)[0]
 
 
-def run_together(commands: list[list[str]], timeout: float = 60.0, env=None, check: bool = True,
-                 grace: float = 5.0, start_when=None) -> list[Result]:
+def run_together(
+    commands: list[list[str]], timeout: float = 60.0, env=None, check: bool = True, grace: float = 5.0, start_when=None
+) -> list[Result]:
     """Start every command at once (e.g. one torchrun agent per "node") and wait for all.
 
     env: one environment for all (default ``child_env()``), or a list with one per command.
@@ -151,8 +152,9 @@ def run_together(commands: list[list[str]], timeout: float = 60.0, env=None, che
 
         def start(i):
             out, err = files[i]
-            procs[i] = subprocess.Popen(commands[i], stdout=out, stderr=err, env={**envs[i], "TMPDIR": scratch},
-                                        start_new_session=True)
+            procs[i] = subprocess.Popen(
+                commands[i], stdout=out, stderr=err, env={**envs[i], "TMPDIR": scratch}, start_new_session=True
+            )
 
         try:
             files.extend((tempfile.TemporaryFile(), tempfile.TemporaryFile()) for _ in commands)
@@ -242,8 +244,13 @@ def sbatch_options(script=SLURM_SCRIPT) -> dict[str, str]:
     return options
 
 
-def slurm_dry_run(script=SLURM_SCRIPT, nodes=("node-a", "node-b"), job_id: str = "4242", timeout: float = 10,
-                  srun_env: dict | None = None) -> list[list[str]]:
+def slurm_dry_run(
+    script=SLURM_SCRIPT,
+    nodes=("node-a", "node-b"),
+    job_id: str = "4242",
+    timeout: float = 10,
+    srun_env: dict | None = None,
+) -> list[list[str]]:
     """Run the batch script with stand-ins for ``scontrol`` and ``srun``; return srun's argument lists.
 
     The stand-ins answer ``scontrol show hostnames`` with ``nodes`` and record every srun
@@ -255,16 +262,29 @@ def slurm_dry_run(script=SLURM_SCRIPT, nodes=("node-a", "node-b"), job_id: str =
     with tempfile.TemporaryDirectory() as tmp:
         bin_dir, log = pathlib.Path(tmp, "bin"), pathlib.Path(tmp, "srun.jsonl")
         bin_dir.mkdir()
-        _stub(bin_dir / "scontrol", 'if sys.argv[1:3] == ["show", "hostnames"]:\n'
-                                    '    print("\\n".join(os.environ["FAKE_NODES"].split(",")))')
-        _stub(bin_dir / "srun", 'with open(os.environ["FAKE_SRUN_LOG"], "a") as f:\n'
-                                '    f.write(json.dumps([sys.argv[1:], dict(os.environ)]) + "\\n")')
-        env = {**os.environ, "PATH": f"{bin_dir}{os.pathsep}{os.environ.get('PATH', '')}",
-               "FAKE_NODES": ",".join(nodes), "FAKE_SRUN_LOG": str(log),
-               "SLURM_JOB_ID": job_id, "SLURM_JOB_NODELIST": ",".join(nodes), "SLURM_NNODES": str(len(nodes)),
-               "SLURM_CPUS_PER_TASK": options.get("cpus-per-task", "1"), "CKPT_DIR": str(pathlib.Path(tmp, "ckpt"))}
-        subprocess.run(["bash", str(script)], env=env, cwd=tmp, check=True, timeout=timeout,
-                       capture_output=True, text=True)
+        _stub(
+            bin_dir / "scontrol",
+            'if sys.argv[1:3] == ["show", "hostnames"]:\n    print("\\n".join(os.environ["FAKE_NODES"].split(",")))',
+        )
+        _stub(
+            bin_dir / "srun",
+            'with open(os.environ["FAKE_SRUN_LOG"], "a") as f:\n'
+            '    f.write(json.dumps([sys.argv[1:], dict(os.environ)]) + "\\n")',
+        )
+        env = {
+            **os.environ,
+            "PATH": f"{bin_dir}{os.pathsep}{os.environ.get('PATH', '')}",
+            "FAKE_NODES": ",".join(nodes),
+            "FAKE_SRUN_LOG": str(log),
+            "SLURM_JOB_ID": job_id,
+            "SLURM_JOB_NODELIST": ",".join(nodes),
+            "SLURM_NNODES": str(len(nodes)),
+            "SLURM_CPUS_PER_TASK": options.get("cpus-per-task", "1"),
+            "CKPT_DIR": str(pathlib.Path(tmp, "ckpt")),
+        }
+        subprocess.run(
+            ["bash", str(script)], env=env, cwd=tmp, check=True, timeout=timeout, capture_output=True, text=True
+        )
         calls = [json.loads(line) for line in log.read_text().splitlines()] if log.exists() else []
         for name in srun_env or {}:
             srun_env[name] = calls[-1][1].get(name) if calls else None
@@ -287,7 +307,8 @@ def worker_command(launcher: str, launcher_args: list[str], local_rank: int = 0)
     Uses the launchers' own parsing code (``config_from_args``), so what this returns is
     what they would run, for the installed torch version.
     """
-    from torch.distributed import launch, run as torchrun_module
+    from torch.distributed import launch
+    from torch.distributed import run as torchrun_module
     from torch.distributed.elastic.utils import macros
 
     parse = {"torchrun": torchrun_module.parse_args, "torch.distributed.launch": launch.parse_args}[launcher]

@@ -7,18 +7,16 @@
 Rows are added to the table that test_stress.py prints.
 """
 
-import io
 import contextlib
-import json
-import os
+import io
 import random
 import time
 
 import pytest
+import test_stress
 import torch
 
 import distcourse
-import test_stress
 from conftest import stray_processes
 from distcourse import checkpoints, train
 from distcourse import torchrun_tools as tt
@@ -36,8 +34,9 @@ def record(name, outcomes, worst):
 def test_kill9_while_writing_a_checkpoint(tmp_path):
     data = checkpoints.digits()
     (tmp_path / "reference").mkdir()
-    reference = distcourse.launch(checkpoints.train_run, 2, args=(data, tmp_path / "reference"),
-                                  kwargs={"steps": 12, "every": 4}, quiet=True)[0]["weights"]
+    reference = distcourse.launch(
+        checkpoints.train_run, 2, args=(data, tmp_path / "reference"), kwargs={"steps": 12, "every": 4}, quiet=True
+    )[0]["weights"]
     rng = random.Random(0)
     outcomes, worst = [], 0.0
     for attempt in range(ATTEMPTS):
@@ -48,15 +47,28 @@ def test_kill9_while_writing_a_checkpoint(tmp_path):
         distcourse.launch(checkpoints.train_run, 2, args=(data, directory), kwargs={"steps": 4, "every": 4}, quiet=True)
         cut = rng.randrange(1, 4 * 2**20)
         try:
-            distcourse.launch(checkpoints.save_and_die, 1, args=(checkpoints.checkpoint_path(directory, 8), True),
-                              kwargs={"megabytes": 4, "die_after": cut}, init_process_group=False, quiet=True)
+            distcourse.launch(
+                checkpoints.save_and_die,
+                1,
+                args=(checkpoints.checkpoint_path(directory, 8), True),
+                kwargs={"megabytes": 4, "die_after": cut},
+                init_process_group=False,
+                quiet=True,
+            )
             killed = False
         except distcourse.RankFailed as exc:
             killed = "SIGKILL" in str(exc)
         latest = checkpoints.latest_checkpoint(directory)
-        loads = latest is not None and latest.name == "step-0004.pt" and checkpoints.load_checkpoint(latest)["step"] == 4
-        resumed = distcourse.launch(checkpoints.train_run, 2, args=(data, directory),
-                                    kwargs={"steps": 12, "every": 4, "resume": True}, quiet=True)[0]["weights"]
+        loads = (
+            latest is not None and latest.name == "step-0004.pt" and checkpoints.load_checkpoint(latest)["step"] == 4
+        )
+        resumed = distcourse.launch(
+            checkpoints.train_run,
+            2,
+            args=(data, directory),
+            kwargs={"steps": 12, "every": 4, "resume": True},
+            quiet=True,
+        )[0]["weights"]
         same = resumed.keys() == reference.keys() and all(torch.equal(resumed[k], reference[k]) for k in resumed)
         worst = max(worst, time.monotonic() - start)
         outcomes.append(killed and loads and same and not stray_processes())
@@ -74,10 +86,28 @@ def test_torchrun_restart_resumes_from_checkpoint(tmp_path):
         run_dir = tmp_path / f"elastic{attempt}"
         start = time.monotonic()
         try:
-            run = tt.run(tt.torchrun("--standalone", "--nproc-per-node=2", "--max-restarts=2",
-                                     script_args=["--steps", 8, "--batch-size", 4, "--out", run_dir,
-                                                  "--ckpt-dir", run_dir, "--save-every", 3, "--crash-at", 5]),
-                         timeout=120)
+            run = tt.run(
+                tt.torchrun(
+                    "--standalone",
+                    "--nproc-per-node=2",
+                    "--max-restarts=2",
+                    script_args=[
+                        "--steps",
+                        8,
+                        "--batch-size",
+                        4,
+                        "--out",
+                        run_dir,
+                        "--ckpt-dir",
+                        run_dir,
+                        "--save-every",
+                        3,
+                        "--crash-at",
+                        5,
+                    ],
+                ),
+                timeout=120,
+            )
             result = run.json(0, "result")
             weights = checkpoints.load_checkpoint(run_dir / "final.pt")
             ok = (
