@@ -5,6 +5,15 @@
     python tools/build_book.py --no-execute     # render without running, into _build/noexec
     python tools/build_book.py --root DIR       # the same logic for another book
 
+One book per language, the way Sphinx projects publish translations: `_toc.yml` lists
+every language as one part (chapters/<code>/...); each becomes a book of its own, built
+with Sphinx's `language` set to that language (the theme then labels its interface in it,
+`<html lang>` follows, the sidebar and the search index hold that language only), into
+_build/html/<code>/. _build/html/index.html lets the reader choose a language;
+tools/course_book.py links each page to the same page in the other books. Parts that
+are not one language's (the glossary, the translation status) go into every book. A
+book whose `_toc.yml` has no language parts is built as one book, as before.
+
 Why this wrapper exists: with `execute_notebooks: cache`, Jupyter Book 1.0.4 keys each
 notebook's cached outputs on its code cells only, and Sphinx re-reads only notebooks whose
 file changed. An edit to `code/distcourse/*.py` changes neither, so the pages would keep the
@@ -26,6 +35,7 @@ import shutil
 import subprocess
 import sys
 import time
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -100,7 +110,7 @@ def vendor_mathjax(root: Path) -> None:
             shutil.copy2(source / part, target / part)
 
 
-def jupyter_book(root: Path, out: Path, config: Path, extra: list) -> int:
+def jupyter_book(root: Path, out: Path, config: Path, extra: list, progress=None, toc: Path | None = None) -> int:
     """Run `jupyter-book build`; HTML lands in out/_build/html. Returns its exit code.
 
     The full log goes to out/_build/build.log; it is shown (from its first problem) only
@@ -108,7 +118,6 @@ def jupyter_book(root: Path, out: Path, config: Path, extra: list) -> int:
     """
     log_path = out / "_build" / "build.log"
     log_path.parent.mkdir(parents=True, exist_ok=True)
-    vendor_mathjax(root)
     cmd = [
         str(JUPYTER_BOOK),
         "build",
@@ -122,8 +131,12 @@ def jupyter_book(root: Path, out: Path, config: Path, extra: list) -> int:
         "--keep-going",
         *extra,
     ]
+    if toc is not None:
+        cmd += ["--toc", str(toc)]
     print(f"$ {' '.join(cmd)}\n  (log: {log_path})", flush=True)
-    progress = Progress(total=len(book_notebooks(root)))
+    own_progress = progress is None
+    if own_progress:
+        progress = Progress(total=len(book_notebooks(toc or root / "_toc.yml", root)))
     # Unbuffered, so that each log line (and so each notebook's progress) arrives when written.
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
     with open(log_path, "w") as log:
@@ -134,7 +147,8 @@ def jupyter_book(root: Path, out: Path, config: Path, extra: list) -> int:
             log.write(line)
             progress.line(ANSI_ESCAPE.sub("", line), root)
         rc = process.wait()
-    progress.summary()
+    if own_progress:
+        progress.summary()
     if rc != 0:
         print_failure(rc, log_path)
     return rc
@@ -193,9 +207,9 @@ class Progress:
         )
 
 
-def book_notebooks(root: Path) -> list:
-    """The notebooks the table of contents lists (what an execution can read at most)."""
-    toc = yaml.safe_load((root / "_toc.yml").read_text(encoding="utf8")) or {}
+def book_notebooks(toc_path: Path, root: Path) -> list:
+    """The notebooks a table of contents lists (what an execution can read at most)."""
+    toc = yaml.safe_load(toc_path.read_text(encoding="utf8")) or {}
     files, stack = [], [toc]
     while stack:
         item = stack.pop()
@@ -207,6 +221,200 @@ def book_notebooks(root: Path) -> list:
             stack.extend(item)
     paths = [root / (f if f.endswith(".ipynb") else f + ".ipynb") for f in files]
     return sorted({p for p in paths if p.is_file()})
+
+
+# ------------------------------------------------------------------ one book per language
+BOOKS = Path("_build") / "books"  # per language: generated _config.yml, _toc.yml, doctrees, cache
+
+
+@dataclass
+class LanguageBook:
+    code: str  # folder under chapters/ (the registry's code)
+    config: Path
+    toc: Path
+    out: Path  # jupyter-book's --path-output: HTML in out/_build/html
+
+    @property
+    def html(self) -> Path:
+        return self.out / "_build" / "html"
+
+
+def language_parts(toc: dict) -> tuple[dict, list]:
+    """Split the master _toc.yml into {language code: its part} and the shared parts."""
+    by_language, shared = {}, []
+    for part in toc.get("parts") or []:
+        files = [c.get("file", "") for c in part.get("chapters", [])]
+        codes = {f.split("/")[1] for f in files if f.startswith("chapters/") and f.count("/") >= 2}
+        if len(codes) == 1 and all(f.startswith("chapters/") for f in files):
+            by_language[codes.pop()] = part
+        else:
+            shared.append(part)
+    return by_language, shared
+
+
+def landing_title(root: Path, docname: str) -> str | None:
+    """The first heading of a language's landing page: that book's title."""
+    path = root / f"{docname}.md"
+    if not path.is_file():
+        return None
+    heading = next((line for line in path.read_text(encoding="utf8").splitlines() if line.startswith("# ")), None)
+    return heading[2:].strip() if heading else None
+
+
+def search_language(code: str) -> str:
+    """Sphinx's stemmer where it has one; the course's CJK-aware splitter for zh and ko."""
+    return {"en": "en", "ru": "ru", "pt-BR": "pt"}.get(code, "course")
+
+
+def language_books(root: Path, out: Path, execute: bool) -> list[LanguageBook]:
+    """Write each language's _config.yml and _toc.yml under out/_build/books/<code>/.
+
+    Empty when the master _toc.yml has no language parts (then the book is built whole).
+    """
+    sys.path.insert(0, str(root / "code"))
+    from distcourse.runtime import languages
+
+    master_toc = yaml.safe_load((root / "_toc.yml").read_text(encoding="utf8")) or {}
+    by_language, shared = language_parts(master_toc)
+    if not by_language:
+        return []
+    master_config = yaml.safe_load((root / "_config.yml").read_text(encoding="utf8")) or {}
+    books = []
+    for code, part in by_language.items():
+        lang = languages.get(code)
+        chapters = [dict(c) for c in part["chapters"]]
+        # A translation's landing page is its book's root; English keeps the repository's index.
+        landing = f"chapters/{code}/index"
+        root_doc = "index" if code == languages.ENGLISH.code else landing
+        chapters = [c for c in chapters if c.get("file") != root_doc]
+        interface = yaml.safe_load((root / INTERFACE).read_text(encoding="utf8"))
+        caption = interface["shared_caption"].get(lang.sphinx)
+        shared_parts = [{**p, "caption": caption} if caption and len(shared) == 1 else p for p in shared]
+        toc = {
+            "format": master_toc.get("format", "jb-book"),
+            "root": root_doc,
+            "parts": [{**part, "chapters": chapters}, *shared_parts],
+        }
+        config = yaml.safe_load(yaml.safe_dump(master_config))  # a deep copy
+        config["title"] = landing_title(root, root_doc) or config.get("title")
+        config.setdefault("execute", {})["execute_notebooks"] = "cache" if execute else "off"
+        sphinx = config.setdefault("sphinx", {})
+        for name, path in (sphinx.get("local_extensions") or {}).items():
+            sphinx["local_extensions"][name] = str((root / path).resolve())
+        settings = sphinx.setdefault("config", {})
+        settings["language"] = lang.sphinx
+        settings["html_search_language"] = search_language(code)
+        settings["course_book_language"] = code
+        config["author"] = interface["author"].get(lang.sphinx, "")
+        settings["locale_dirs"] = [str(compile_interface(interface, lang.sphinx, out / BOOKS / code / "locale"))]
+        folder = out / BOOKS / code
+        folder.mkdir(parents=True, exist_ok=True)
+        book = LanguageBook(code, folder / "_config.yml", folder / "_toc.yml", folder)
+        book.config.write_text(yaml.safe_dump(config, allow_unicode=True, sort_keys=False), encoding="utf8")
+        book.toc.write_text(yaml.safe_dump(toc, allow_unicode=True, sort_keys=False), encoding="utf8")
+        books.append(book)
+    return books
+
+
+INTERFACE = Path("tools") / "book_interface.yml"
+
+
+def compile_interface(interface: dict, locale: str, folder: Path) -> Path:
+    """tools/book_interface.yml's strings for one locale as gettext catalogs (Babel, as Sphinx uses).
+
+    folder/<locale>/LC_MESSAGES/{sphinx,booktheme}.mo; returns folder (a Sphinx locale_dirs entry).
+    """
+    from babel.messages.catalog import Catalog
+    from babel.messages.mofile import write_mo
+
+    messages = folder / locale / "LC_MESSAGES"
+    messages.mkdir(parents=True, exist_ok=True)
+    for domain in ("sphinx", "booktheme"):
+        catalog = Catalog(locale=locale, domain=domain)
+        for msgid, texts in interface[domain].items():
+            if texts.get(locale):
+                catalog.add(msgid, texts[locale])
+        with open(messages / f"{domain}.mo", "wb") as f:
+            write_mo(f, catalog)
+    return folder.resolve()
+
+
+PICKER = """<!DOCTYPE html>
+<html lang="en">
+<head>
+<meta charset="utf-8">
+<meta name="viewport" content="width=device-width, initial-scale=1">
+<title>{title}</title>
+<style>
+body {{ font-family: system-ui, sans-serif; max-width: 40rem; margin: 4rem auto; padding: 0 1rem; }}
+ul {{ list-style: none; padding: 0; }}
+li {{ margin: 0.8rem 0; font-size: 1.25rem; }}
+a {{ text-decoration: none; }}
+small {{ display: block; color: #555; font-size: 0.9rem; }}
+</style>
+</head>
+<body>
+<h1>{title}</h1>
+<ul class="course-language-picker">
+{items}
+</ul>
+</body>
+</html>
+"""
+
+
+def write_language_picker(root: Path, html: Path, books: list[LanguageBook]) -> None:
+    """_build/html/index.html: one link per language, each named in its own language."""
+    sys.path.insert(0, str(root / "code"))
+    from distcourse.runtime import languages
+
+    items = []
+    for book in books:
+        lang = languages.get(book.code)
+        title = yaml.safe_load(book.config.read_text(encoding="utf8")).get("title", "")
+        items.append(
+            f'<li lang="{lang.html}"><a href="{book.code}/index.html" hreflang="{lang.html}">{lang.name}</a>'
+            f"<small>{title}</small></li>"
+        )
+    english = yaml.safe_load((root / "_config.yml").read_text(encoding="utf8")).get("title", "")
+    (html / "index.html").write_text(PICKER.format(title=english, items="\n".join(items)), encoding="utf8")
+
+
+def publish(books: list[LanguageBook], html: Path, root: Path) -> None:
+    """Copy each language's HTML to html/<code>/ and write the picker at html/index.html."""
+    html.mkdir(parents=True, exist_ok=True)
+    for book in books:
+        target = html / book.code
+        shutil.rmtree(target, ignore_errors=True)
+        shutil.copytree(book.html, target)
+    write_language_picker(root, html, books)
+
+
+def build_languages(root: Path, out: Path, execute: bool, extra: list) -> int | None:
+    """Build every language's book into out/_build/html/<code>/; None if there are none."""
+    books = language_books(root, out, execute)
+    if not books:
+        return None
+    vendor_mathjax(root)
+    progress = Progress(total=sum(len(book_notebooks(book.toc, root)) for book in books))
+
+    def build(numbered):
+        n, book = numbered
+        print(f"--- book {n}/{len(books)}: {book.code}", flush=True)
+        return book.code, jupyter_book(root, book.out, book.config, extra, progress, book.toc)
+
+    # Without execution a build is one busy Python process: two at a time use both cores of
+    # a small machine. Executing books run one at a time, so that each notebook's ranks have
+    # the machine to themselves (and its progress line stays whole).
+    jobs = 1 if execute else min(2, os.cpu_count() or 1)
+    with ThreadPoolExecutor(max_workers=jobs) as pool:
+        failed = [code for code, rc in pool.map(build, enumerate(books, 1)) if rc != 0]
+    progress.summary()
+    if failed:
+        print(f"Books that failed: {', '.join(failed)}", file=sys.stderr)
+        return 1
+    publish(books, out / "_build" / "html", root)
+    return 0
 
 
 def read_stamp(path: Path):
@@ -232,6 +440,8 @@ def build_executed(root: Path) -> int:
         print("Code or config changed: clearing the execution cache.")
         # jupyter-cache keys on code cells only; it would serve outputs of the old code.
         shutil.rmtree(build / ".jupyter_cache", ignore_errors=True)
+        for cache in (root / BOOKS).glob("*/_build/.jupyter_cache"):
+            shutil.rmtree(cache, ignore_errors=True)
         build.mkdir(parents=True, exist_ok=True)
         cache_stamp.write_text(new + "\n")
     if read_stamp(pages_stamp) != new:
@@ -241,7 +451,10 @@ def build_executed(root: Path) -> int:
         # half-way and the code is reverted, the next build must still be a full one.
         pages_stamp.unlink(missing_ok=True)
         extra.append("--all")
-    rc = jupyter_book(root, root, root / "_config.yml", extra)
+    rc = build_languages(root, root, True, extra)
+    if rc is None:
+        vendor_mathjax(root)
+        rc = jupyter_book(root, root, root / "_config.yml", extra)
     if rc == 0 and extra:
         pages_stamp.write_text(new + "\n")
     return rc
@@ -253,6 +466,9 @@ def build_unexecuted(root: Path, out: Path) -> int:
     Separate output, doctrees and (unused) cache: the main build in _build/html stays as is.
     """
     out.mkdir(parents=True, exist_ok=True)
+    rc = build_languages(root, out, False, [])
+    if rc is not None:
+        return rc
     # Jupyter Book's CLI cannot override single settings, so build from a modified copy of
     # the config. Its only setting resolved relative to the config file's folder is
     # sphinx.local_extensions; make those paths absolute so the copy may live anywhere.
@@ -263,6 +479,7 @@ def build_unexecuted(root: Path, out: Path) -> int:
         local_ext[name] = str((root / path).resolve())
     config_copy = out / "_config.noexec.yml"
     config_copy.write_text(yaml.safe_dump(config, allow_unicode=True, sort_keys=False), encoding="utf8")
+    vendor_mathjax(root)
     return jupyter_book(root, out, config_copy, [])
 
 

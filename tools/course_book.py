@@ -9,6 +9,11 @@ Loaded through ``sphinx.local_extensions`` in ``_config.yml``.
 * ``{translation-status}`` renders the chapter x language table (current / behind / missing).
 * ``{course-glossary}`` renders ``assets/glossary.yml`` as a table.
 * Chapter pages carry their own language in ``<html lang>`` (from the registry of languages).
+* Built as one book per language (``tools/build_book.py`` sets ``course_book_language``):
+  a language switcher in the sidebar leads to the same page in the other books; links to
+  pages of another language's book (landing pages, the chapter headers written for Colab)
+  point into that book; the header's language line and translation line, which Colab
+  readers need, give way to the switcher and to the notice above.
 * The search index splits Chinese, Japanese and Korean text into overlapping
   two-character pieces, in the index and in the query, so that a search for a
   CJK word finds pages in every language (Sphinx's own English splitter would
@@ -21,9 +26,12 @@ import pathlib
 import re
 import sys
 
+import yaml
 from docutils import nodes
 from docutils.statemachine import StringList
+from sphinx import addnodes
 from sphinx.search.en import SearchEnglish
+from sphinx.transforms.post_transforms import SphinxPostTransform
 from sphinx.util.docutils import SphinxDirective
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
@@ -79,6 +87,121 @@ def set_page_language(app, pagename, templatename, context, doctree) -> None:
     parts = pagename.split("/")
     if len(parts) > 2 and parts[0] == "chapters" and parts[1] in languages.BY_CODE:
         context["language"] = languages.BY_CODE[parts[1]].html
+
+
+# ------------------------------------------------------------ one book per language
+TEMPLATES = ROOT / "tools" / "book_templates"
+LANDING = re.compile(r"^chapters/(?P<lang>[^/]+)/index$")
+
+
+def book_of(docname: str) -> str | None:
+    """The language book that holds ``docname`` (a chapter or a landing page), if any."""
+    if docname == "index":
+        return languages.ENGLISH.code
+    match = re.match(r"^chapters/(?P<lang>[^/]+)/", docname)
+    return match["lang"] if match and match["lang"] in languages.BY_CODE else None
+
+
+def book_url(from_doc: str, book: str, target: str) -> str:
+    """Relative URL from page ``from_doc`` of one book to page ``target`` of book ``book``.
+
+    The books lie side by side: _build/html/<code>/<docname>.html.
+    """
+    return "../" * from_doc.count("/") + f"../{book}/{target}.html"
+
+
+def counterpart(pagename: str, code: str) -> str | None:
+    """The page of book ``code`` that shows what ``pagename`` shows, if it exists."""
+    if pagename == "index" or LANDING.match(pagename):
+        target = "index" if code == languages.ENGLISH.code else f"chapters/{code}/index"
+    elif match := CHAPTER.match(pagename):
+        target = f"chapters/{code}/{match['name']}"
+    else:
+        return pagename  # the glossary, the status page, search: in every book
+    return target if any((ROOT / f"{target}{suffix}").is_file() for suffix in (".ipynb", ".md")) else None
+
+
+class CrossBookLinks(SphinxPostTransform):
+    """Links to pages of another language's book become links into that book.
+
+    MyST turns ``[Русский](../ru/03-collectives.ipynb)`` into a reference to a document
+    of this project, and warns when it is not part of this build. Runs just before
+    MyST's own resolver (priority 9) and leaves every other reference to it.
+    """
+
+    default_priority = 8
+
+    def run(self, **kwargs):
+        if not self.config.course_book_language:
+            return
+        for node in list(self.document.findall(addnodes.pending_xref)):
+            if node.get("reftype") != "myst" or node.get("refdomain") != "doc":
+                continue
+            target = node["reftarget"]
+            book = book_of(target)
+            if target in self.env.all_docs or book is None:
+                continue
+            url = book_url(node.get("refdoc", self.env.docname), book, target)
+            if node.get("reftargetid"):
+                url += "#" + node["reftargetid"]
+            reference = nodes.reference("", "", refuri=url, internal=False, classes=["course-other-language"])
+            reference += [child.deepcopy() for child in node.children]
+            node.replace_self(reference)
+
+
+def header_lines_give_way(app, doctree) -> None:
+    """In a language book, drop the Colab header's language line and translation line.
+
+    The sidebar's switcher and the translation notice say the same on the book page; the
+    lines stay in the notebooks, where Colab readers need them.
+    """
+    if not app.config.course_book_language or not CHAPTER.match(app.env.docname):
+        return
+    labels = tuple(lang.other_languages for lang in languages.LANGUAGES)
+    section = next(iter(doctree.findall(nodes.section)), None)
+    if section is None:
+        return
+    for paragraph in [child for child in section.children[:6] if isinstance(child, nodes.paragraph)]:
+        first = paragraph.children[0] if paragraph.children else None
+        language_line = isinstance(first, nodes.strong) and first.astext().startswith(labels)
+        translation_line = any(
+            ref.get("reftarget") == "translation-status" for ref in paragraph.findall(addnodes.pending_xref)
+        )
+        if language_line or translation_line:
+            paragraph.parent.remove(paragraph)
+
+
+def language_switcher(app, pagename, templatename, context, doctree) -> None:
+    """``course_languages`` for tools/book_templates/language-switcher.html."""
+    book = app.config.course_book_language
+    if not book:
+        return
+    items = []
+    for lang in languages.LANGUAGES:
+        target = counterpart(pagename, lang.code)
+        if lang.code != book and target is not None:
+            items.append({"name": lang.name, "lang": lang.html, "href": book_url(pagename, lang.code, target)})
+    context["course_languages"] = items
+    context["course_languages_label"] = languages.get(book).other_languages
+
+
+def add_language_switcher(app, config) -> None:
+    """The switcher in the sidebar, and the interface strings the themes leave in English.
+
+    tools/book_templates also replaces two one-line components of sphinx-book-theme whose
+    tooltips are written in English rather than through gettext.
+    """
+    if not config.course_book_language:
+        return
+    config.templates_path.insert(0, str(TEMPLATES))
+    interface = yaml.safe_load((ROOT / "tools" / "book_interface.yml").read_text(encoding="utf8"))
+    search = interface["search_bar_text"].get(config.language)
+    if search:
+        config.html_theme_options = {**config.html_theme_options, "search_bar_text": search}
+    for folder in config.locale_dirs:  # compiled by tools/build_book.py; "sphinx" is read by Sphinx itself
+        app.add_message_catalog("booktheme", folder)
+    sidebar = ["navbar-logo.html", "icon-links.html", "search-button-field.html"]
+    config.html_sidebars = {"**": [*sidebar, "language-switcher.html", "sbt-sidebar-nav.html"]}
 
 
 class TranslationStatus(SphinxDirective):
@@ -182,6 +305,12 @@ function splitQuery(query) {
 
 
 def setup(app):
+    # Set by tools/build_book.py in each language's book; None: one book with every language.
+    app.add_config_value("course_book_language", None, "html")
+    app.connect("config-inited", add_language_switcher)
+    app.connect("doctree-read", header_lines_give_way)
+    app.connect("html-page-context", language_switcher)
+    app.add_post_transform(CrossBookLinks)
     app.add_search_language(CourseSearch)
     app.connect("doctree-read", add_translation_notice)
     app.connect("html-page-context", set_page_language)

@@ -7,7 +7,9 @@ in every `chapters/<lang>/*.ipynb`:
   for this very file and links to the same chapter in the other languages
   that exist;
 * the second cell, the setup cell, from SETUP_CELL below (the same in every
-  notebook), with the repository URL and branch filled in.
+  notebook), with the repository URL and branch filled in;
+* the ``remove-cell`` tag on every speaker-notes cell (slide type ``notes``), so that the
+  book leaves out what the slides keep.
 
 A translated chapter's header also says that it is a translation and links to
 the English chapter and to the translation status page.
@@ -30,7 +32,8 @@ sys.path.insert(0, str(ROOT / "code"))  # this checkout's package, whether insta
 from distcourse.runtime import languages  # noqa: E402  (the registry of languages)
 
 LANGUAGES = {lang.code: lang.name for lang in languages.LANGUAGES}  # folder: the language's name for itself
-BADGE = "https://colab.research.google.com/assets/colab-badge.svg"
+# The badge image ships with the course: a remote image would show broken offline.
+BADGE = "../../assets/colab-badge.svg"
 
 # In Colab: clone the course next to the notebook and install the companion package
 # (Colab already has torch, torchvision and matplotlib; --no-deps leaves them alone).
@@ -62,7 +65,9 @@ except ImportError:  # a checkout whose package is not installed: use its code/ 
     import distcourse
 distcourse.warm_up()  # start the rank launcher's fork server in the background
 distcourse.set_language(install_fonts=IN_COLAB)  # text inside figures in the chapter's language
-from distcourse import tr"""
+from distcourse import tr
+distcourse.show_run(tr("The outputs on this page come from PyTorch {{torch}} on {{device}}."),
+                    cpu=tr("a CPU with {{cores}} cores and no GPU"))"""
 
 
 def repository(root: pathlib.Path = ROOT) -> tuple[str, str]:
@@ -115,6 +120,14 @@ def update(notebook: pathlib.Path, root: pathlib.Path = ROOT, write: bool = True
     setup.source = setup_source(url, branch)
     setup.metadata["slideshow"] = {"slide_type": "skip"}
     setup.metadata["tags"] = ["remove-input"]
+    # Speaker notes belong to the slides: the book leaves them out (Jupyter Book's remove-cell).
+    for cell in nb.cells[2:]:
+        tags = cell.metadata.get("tags", [])
+        notes = cell.metadata.get("slideshow", {}).get("slide_type") == "notes"
+        if notes and "remove-cell" not in tags:
+            cell.metadata["tags"] = [*tags, "remove-cell"]
+        elif not notes and "remove-cell" in tags:
+            cell.metadata["tags"] = [t for t in tags if t != "remove-cell"]
     text = nbformat.writes(nb) + "\n"
     if text == notebook.read_text(encoding="utf-8"):
         return False

@@ -7,9 +7,17 @@ from .runtime import vision_compat
 
 vision_compat.install()  # before anything imports torchvision; see vision_compat.py
 
-from .runtime.hardware import cpu_cores, describe_machine, gpu_count, plan, rank_device  # noqa: E402
+from .runtime.hardware import cpu_cores, describe_machine, gpu_count, plan, rank_device, run_summary  # noqa: E402
 from .runtime.i18n import language, set_language, tr  # noqa: E402
 from .runtime.launcher import LaunchError, LaunchTimeout, RankFailed, Results, launch, warm_up  # noqa: E402
+
+
+def show_run(text: str, cpu: str) -> None:
+    """Under a chapter's title: which PyTorch and which device produced the outputs below."""
+    from IPython.display import Markdown, display
+
+    display(Markdown(f"*{run_summary(text, cpu)}*"))
+
 
 __version__ = "0.1.0"
 __all__ = [
@@ -23,6 +31,8 @@ __all__ = [
     "launch",
     "plan",
     "rank_device",
+    "run_summary",
+    "show_run",
     "warm_up",
     "language",
     "set_language",

@@ -11,6 +11,9 @@ from pathlib import Path
 
 import nbformat
 import pytest
+import yaml
+
+from distcourse.runtime import languages
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 # Every test here builds a book (the whole book, or a small one that executes).
@@ -58,27 +61,40 @@ def book(tmp_path_factory):
     return tmp_path / "_build" / "html", stdout, seconds
 
 
+def page_of(html: Path, notebook: Path) -> Path:
+    """Where a chapter's page lies: in its language's book, _build/html/<code>/chapters/<code>/..."""
+    relative = notebook.relative_to(REPO_ROOT).with_suffix(".html")
+    return html / relative.parts[1] / relative
+
+
 def test_book_builds_without_execution(book):
     html, stdout, seconds = book
     print(f"\nno-execute build of the book: {seconds:.1f} s")
 
     assert stdout.splitlines()[-1] == str(html / "index.html")
-    assert (html / "index.html").is_file()
-    assert (html / "chapters/en/01-dataloader-workers.html").is_file()
     assert seconds <= 60, f"no-execute build took {seconds:.1f} s, budget is 60 s"
+    # The root page lets the reader choose a language; each language is a book of its own.
+    picker = (html / "index.html").read_text(encoding="utf-8")
+    for lang in languages.LANGUAGES:
+        assert f'<a href="{lang.code}/index.html" hreflang="{lang.html}">{lang.name}</a>' in picker
+        assert (html / lang.code / "index.html").is_file()
+        assert (html / lang.code / "_static" / "mathjax" / "tex-mml-chtml.js").is_file()
+    assert (html / "en/chapters/en/01-dataloader-workers.html").is_file()
 
-    # No page loads a script or a style sheet from the network (MathJax comes from _static).
+    # No page loads a script, a style sheet or an image from the network (MathJax comes
+    # from _static, the Colab badge from assets/).
     for page in html.rglob("*.html"):
-        remote = re.findall(r'<(?:script|link)[^>]+(?:src|href)="(https?:[^"]+)"', page.read_text(encoding="utf-8"))
+        text = page.read_text(encoding="utf-8")
+        remote = re.findall(r'<(?:script|link)[^>]+(?:src|href)="(https?:[^"]+)"', text)
+        remote += re.findall(r'<img[^>]+src="(https?:[^"]+)"', text)
         assert not remote, (page.relative_to(html), remote)
-    assert (html / "_static" / "mathjax" / "tex-mml-chtml.js").is_file()
 
     # Every chapter page: the theme's launch button and the header badge open this very
     # notebook in Colab (both come from the repository URL in _config.yml).
     import headers
 
     for notebook in headers.notebooks(REPO_ROOT):
-        page = (html / notebook.relative_to(REPO_ROOT).with_suffix(".html")).read_text(encoding="utf-8")
+        page = page_of(html, notebook).read_text(encoding="utf-8")
         colab_links = re.findall(r'href="(https://colab\.research\.google\.com/github/[^"]+)"', page)
         assert colab_links == [headers.colab_url(notebook, REPO_ROOT)] * 2, (notebook, colab_links)
 
@@ -150,7 +166,7 @@ def test_cache_follows_code_changes(tmp_path):
     assert unchanged <= 10, f"no-change rebuild took {unchanged:.1f} s, target is 10 s"
 
 
-# ---------------------------------------------------------------- six languages in one book
+# ---------------------------------------------------------------- six languages, six books
 
 LANGUAGE_LINK_CASES = [
     ("en", "ru"),
@@ -160,36 +176,57 @@ LANGUAGE_LINK_CASES = [
     ("pt-BR", "zh-CN"),
     ("zh-TW", "en"),
 ]
+INTERFACE = yaml.safe_load((REPO_ROOT / "tools" / "book_interface.yml").read_text(encoding="utf-8"))
 
 
-def test_translated_pages_say_they_are_translations_and_are_current(book):
+def test_translated_pages_say_they_are_translations_once_and_are_current(book):
     html, _, _ = book
     import translations
 
     for english in translations.english_chapters(REPO_ROOT):
         for lang in translations.TRANSLATED:
-            page = (html / "chapters" / lang / english.with_suffix(".html").name).read_text(encoding="utf-8")
+            page = page_of(html, translations.translation_of(english, lang)).read_text(encoding="utf-8")
             page = page[page.index("<article") :]  # the chapter itself, without the theme's sidebars
             notice = page.find("translation-current")
             assert notice != -1, f"{lang}/{english.stem}: no 'translation is current' notice"
             assert "translation-behind" not in page
             assert notice < page.find("<h2"), "the notice is not near the top of the page"
+            # One notice: the header line written for Colab readers gives way to it.
+            assert "translation-status.html" not in page[: page.find("<h2")], f"{lang}/{english.stem}"
 
 
 def test_status_page_lists_every_translation_as_current(book):
     html, _, _ = book
-    page = (html / "translation-status.html").read_text(encoding="utf-8")
-    assert page.count("✅ current") == 40, page.count("✅ current")
-    assert "40 current, 0 behind, 0 missing" in page
-    glossary = (html / "glossary.html").read_text(encoding="utf-8")
+    import translations
+
+    expected = len(translations.english_chapters(REPO_ROOT)) * len(translations.TRANSLATED)
+    page = (html / "en" / "translation-status.html").read_text(encoding="utf-8")
+    assert page.count("✅ current") == expected, page.count("✅ current")
+    assert f"{expected} current, 0 behind, 0 missing" in page
+    glossary = (html / "ru" / "glossary.html").read_text(encoding="utf-8")
     assert "分散式訓練" in glossary and "распределённое обучение" in glossary
 
 
-def test_part_captions_are_in_their_own_language(book):
+@pytest.mark.parametrize("code", languages.CODES)
+def test_each_book_holds_its_language_only(book, code):
+    """Sphinx's language, <html lang>, the sidebar and the search index: one language per book."""
     html, _, _ = book
-    sidebar = (html / "index.html").read_text(encoding="utf-8")
-    for name in ["English", "Русский", "简体中文", "繁體中文", "Português (Brasil)", "한국어"]:
-        assert re.search(r'class="caption-text">' + re.escape(name) + "<", sidebar), name
+    lang = languages.get(code)
+    toc = yaml.safe_load((REPO_ROOT / "_toc.yml").read_text(encoding="utf-8"))
+    own = next(part for part in toc["parts"] if part["caption"] == lang.name)
+    page = (html / code / "chapters" / code / "03-collectives.html").read_text(encoding="utf-8")
+    assert re.search(r'<html lang="' + re.escape(lang.html) + '"', page)
+    sidebar = page[page.index('class="bd-links') : page.index("</nav>", page.index('class="bd-links'))]
+    linked = set(re.findall(r'href="(?:\.\./)*((?:chapters/[^/"]+/)?[^"#/]+)\.html', sidebar))
+    chapters = {c["file"] for c in own["chapters"]} - {f"chapters/{code}/index"}
+    assert {f for f in linked if f.startswith("chapters/")} == chapters, linked
+    assert {f for f in linked if not f.startswith("chapters/")} <= {"index", "glossary", "translation-status"}
+    captions = re.findall(r'class="caption-text">([^<]+)<', sidebar)
+    assert captions == [lang.name, INTERFACE["shared_caption"][lang.sphinx]], captions
+    index = (html / code / "searchindex.js").read_text(encoding="utf-8")
+    others = [other.code for other in languages.LANGUAGES if other.code != code]
+    assert f'"chapters/{code}/03-collectives"' in index
+    assert not any(f'"chapters/{other}/' in index for other in others)
 
 
 @pytest.fixture(scope="module")
@@ -203,21 +240,59 @@ def browser(tmp_path_factory):
     b.close()
 
 
-@pytest.mark.parametrize("start, target", LANGUAGE_LINK_CASES, ids=[f"{a}-to-{b}" for a, b in LANGUAGE_LINK_CASES])
-def test_language_link_opens_the_same_chapter(book, browser, start, target):
+@pytest.mark.parametrize("code", languages.CODES)
+def test_book_page_in_a_browser(book, browser, code):
+    """What a reader of each language sees: the interface, the switcher, no notes, no remote image."""
     html, _, _ = book
-    import headers
+    lang = languages.get(code)
+    browser.open((html / code / "chapters" / code / "05-checkpoints.html").as_uri())
+    seen = browser.wait_for(
+        "document.readyState === 'complete' && ({"
+        " lang: document.documentElement.lang,"
+        " search: document.querySelector('.search-button-field .search-button__default-text, input[name=q]')"
+        "   ?.getAttribute('placeholder') || document.querySelector('.search-button__default-text')?.textContent,"
+        " top: document.querySelector('#pst-back-to-top')?.textContent.trim(),"
+        " switcher: [...document.querySelectorAll('nav.course-languages a')].map(a => [a.textContent, a.href]),"
+        " images: [...document.images].map(i => i.src).filter(s => !s.startsWith('file:')),"
+        " text: document.querySelector('article').innerText })"
+    )
+    assert seen["lang"] == lang.html
+    if code != "en":
+        assert seen["top"] == INTERFACE["sphinx"]["Back to top"][lang.sphinx], seen["top"]
+    assert seen["images"] == []
+    names = [name for name, _ in seen["switcher"]]
+    assert names == [other.name for other in languages.LANGUAGES if other.code != code]
+    for (name, href), other in zip(seen["switcher"], [o for o in languages.LANGUAGES if o.code != code]):
+        assert href.endswith(f"/{other.code}/chapters/{other.code}/05-checkpoints.html"), (name, href)
+        assert Path(href.removeprefix("file://")).is_file(), href
+    # Speaker notes stay in the slides: a sentence from one is nowhere on the page.
+    import translations
 
+    notes = [
+        c.source
+        for c in translations.read(REPO_ROOT / "chapters" / code / "05-checkpoints.ipynb").cells
+        if c.metadata.get("slideshow", {}).get("slide_type") == "notes"
+    ]
+    assert notes
+    for note in notes:
+        first_words = " ".join(note.split()[:6])
+        assert first_words not in " ".join(seen["text"].split()), first_words
+
+
+@pytest.mark.parametrize("start, target", LANGUAGE_LINK_CASES, ids=[f"{a}-to-{b}" for a, b in LANGUAGE_LINK_CASES])
+def test_language_switcher_opens_the_same_chapter(book, browser, start, target):
+    html, _, _ = book
     chapter = "03-collectives.html"
-    browser.open((html / "chapters" / start / chapter).as_uri())
-    name = headers.LANGUAGES[target]
+    browser.open((html / start / "chapters" / start / chapter).as_uri())
+    name = languages.get(target).name
     clicked = browser.evaluate(
-        f"(() => {{ const a = [...document.querySelectorAll('article a')].find(a => a.textContent.trim() === {name!r});"
+        "(() => { const a = [...document.querySelectorAll('nav.course-languages a')]"
+        f".find(a => a.textContent.trim() === {name!r});"
         " if (!a) return null; a.click(); return a.getAttribute('href'); })()"
     )
-    assert clicked == f"../{target}/{chapter}", clicked
+    assert clicked == f"../../../{target}/chapters/{target}/{chapter}", clicked
     landed = browser.wait_for(
-        f"location.href.endsWith('/chapters/{target}/{chapter}') && "
+        f"location.href.endsWith('/{target}/chapters/{target}/{chapter}') && "
         "document.readyState === 'complete' && document.querySelector('h1').textContent"
     )
     title = nbformat.read(REPO_ROOT / "chapters" / target / "03-collectives.ipynb", as_version=4).cells[0].source
@@ -225,22 +300,23 @@ def test_language_link_opens_the_same_chapter(book, browser, start, target):
 
 
 SEARCHES = [
-    ("分布式训练", "chapters/zh-CN/"),
-    ("分散式訓練", "chapters/zh-TW/"),
-    ("분산", "chapters/ko/"),
-    ("распределённое", "chapters/ru/"),
-    ("treinamento", "chapters/pt-BR/"),
-    ("all_reduce", "chapters/en/"),
+    ("分布式训练", "zh-CN"),
+    ("分散式訓練", "zh-TW"),
+    ("분산", "ko"),
+    ("распределённое", "ru"),
+    ("treinamento", "pt-BR"),
+    ("all_reduce", "en"),
 ]
 
 
-@pytest.mark.parametrize("query, folder", SEARCHES, ids=[f for _, f in SEARCHES])
-def test_search_finds_pages_in_every_language(book, browser, query, folder):
+@pytest.mark.parametrize("query, code", SEARCHES, ids=[c for _, c in SEARCHES])
+def test_search_finds_pages_of_its_own_language(book, browser, query, code):
     html, _, _ = book
-    browser.open((html / "search.html").as_uri() + "?q=" + query)
+    browser.open((html / code / "search.html").as_uri() + "?q=" + query)
     found = browser.wait_for(
         "(() => { const r = [...document.querySelectorAll('#search-results li a')];"
         " return document.querySelector('#search-results p')?.textContent && r.map(a => a.href); })()",
         timeout=30,
     )
-    assert any(folder in href for href in found), (query, found[:5])
+    assert any(f"/{code}/chapters/{code}/" in href for href in found), (query, found[:5])
+    assert all(f"/{code}/" in href for href in found), found[:5]

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import os
 import socket
+import subprocess
 from dataclasses import dataclass
 
 import torch
@@ -113,6 +114,35 @@ def rank_device() -> torch.device:
     if dist.is_initialized() and dist.get_backend() == "nccl":
         return torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
     return torch.device("cpu")
+
+
+def gpu_names() -> list[str]:
+    """The GPUs' names, from ``nvidia-smi``: asking torch would create a CUDA context in this
+    process, and ranks forked from a process with a CUDA context cannot use CUDA."""
+    if gpu_count() == 0:
+        return []
+    try:
+        out = subprocess.run(
+            ["nvidia-smi", "--query-gpu=name", "--format=csv,noheader"], capture_output=True, text=True, timeout=20
+        )
+        names = [line.strip() for line in out.stdout.splitlines() if line.strip()]
+    except (OSError, subprocess.SubprocessError):
+        names = []
+    return names[: gpu_count()] or ["GPU"] * gpu_count()
+
+
+def run_summary(text: str, cpu: str) -> str:
+    """``text`` with {torch} and {device} filled in: what produces a chapter's outputs.
+
+    ``cpu`` describes a machine without GPUs ({cores}); both come translated from the chapter.
+    """
+    names = gpu_names()
+    if names:
+        counts = {name: names.count(name) for name in dict.fromkeys(names)}
+        device = ", ".join(f"{n} × {name}" for name, n in counts.items())
+    else:
+        device = cpu.format(cores=cpu_cores())
+    return text.format(torch=torch.__version__, device=device)
 
 
 def describe_machine() -> str:
