@@ -3,7 +3,8 @@
 Node A (10.213.0.1) hosts the c10d rendezvous; node B (10.213.0.2) reaches it over the veth
 link only. Both namespaces, and so both addresses, exist only inside this test. Each attempt
 trains chapter 07's script (`python -m distcourse.train`) with one process per node. Three
-scenarios, each repeated STRESS_ATTEMPTS times:
+scenarios, each repeated TWO_NODE_ATTEMPTS times (default STRESS_ATTEMPTS, 20; `make test`
+sets 5, since one attempt takes 8-17 s: `make stress` runs all 20):
 
 - both nodes start together: the same weights as one process on the whole batch;
 - the worker on node B dies on the first attempt, `--max-restarts=3`: both agents restart,
@@ -27,8 +28,9 @@ import uuid
 import pytest
 import torch
 
-pytestmark = pytest.mark.stress
 ATTEMPTS = int(os.environ.get("TWO_NODE_ATTEMPTS", os.environ.get("STRESS_ATTEMPTS", "20")))
+# An attempt takes up to about 17 s on 2 cores; the default 300 s would cut 20 attempts short.
+pytestmark = [pytest.mark.stress, pytest.mark.timeout(60 + 45 * ATTEMPTS)]
 NODES = {"A": "10.213.0.1", "B": "10.213.0.2"}
 TRAIN = ["-m", "distcourse.train", "--steps", "6", "--timeout", "30"]
 FRESH_STORE = {"TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"}  # what chapter 07 teaches for elastic jobs
