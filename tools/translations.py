@@ -266,27 +266,45 @@ def missing_terms(
 # ---------------------------------------------------------------- figure text
 
 
-def figure_texts(root: pathlib.Path = ROOT) -> dict[str, list[str]]:
-    """Every string literal the English chapters pass to ``tr()``, with the chapters using it."""
+PACKAGE = "package"  # where figure_texts records the texts of the package's own tr() calls
+
+
+def _tr_literals(source: str) -> list[str]:
+    """The string literals passed to ``tr()`` (or ``i18n.tr()``) in Python ``source``."""
     import ast
 
+    return [
+        node.args[0].value
+        for node in ast.walk(ast.parse(source))
+        if isinstance(node, ast.Call)
+        and (
+            (isinstance(node.func, ast.Name) and node.func.id == "tr")
+            or (isinstance(node.func, ast.Attribute) and node.func.attr == "tr")
+        )
+        and node.args
+        and isinstance(node.args[0], ast.Constant)
+        and isinstance(node.args[0].value, str)
+    ]
+
+
+def figure_texts(root: pathlib.Path = ROOT) -> dict[str, list[str]]:
+    """Every string literal passed to ``tr()``, with where it is used: the English chapters'
+    code cells (by chapter number) and the package's modules, ``code/distcourse/**/*.py``
+    (as :data:`PACKAGE`: verdicts, rank output, table headers and axis labels it makes)."""
     found: dict[str, list[str]] = {}
+
+    def add(text: str, where: str) -> None:
+        if where not in found.setdefault(text, []):
+            found[text].append(where)
+
     for path in english_chapters(root):
         for cell in read(path).cells:
-            if cell.cell_type != "code":
-                continue
-            for node in ast.walk(ast.parse(cell.source)):
-                if (
-                    isinstance(node, ast.Call)
-                    and isinstance(node.func, ast.Name)
-                    and node.func.id == "tr"
-                    and node.args
-                    and isinstance(node.args[0], ast.Constant)
-                    and isinstance(node.args[0].value, str)
-                ):
-                    found.setdefault(node.args[0].value, [])
-                    if path.stem[:2] not in found[node.args[0].value]:
-                        found[node.args[0].value].append(path.stem[:2])
+            if cell.cell_type == "code":
+                for text in _tr_literals(cell.source):
+                    add(text, path.stem[:2])
+    for path in sorted((root / "code" / "distcourse").rglob("*.py")):
+        for text in _tr_literals(path.read_text(encoding="utf-8")):
+            add(text, PACKAGE)
     return found
 
 
@@ -461,8 +479,12 @@ def main() -> int:
             have = i18n.catalog(args.lang)
         except FileNotFoundError:
             have = {}
-        for text, chapters in figure_texts().items():
-            print(f"# chapter {', '.join(chapters)}")
+        for text, used_in in figure_texts().items():
+            chapters = [c for c in used_in if c != PACKAGE]
+            print(
+                "# "
+                + ", ".join(([f"chapter {', '.join(chapters)}"] if chapters else []) + [PACKAGE] * (PACKAGE in used_in))
+            )
             print(yaml.safe_dump({text: have.get(text, "")}, allow_unicode=True, width=1000).rstrip())
     elif args.command == "status":
         bad = 0

@@ -34,6 +34,7 @@ from .common.datasets import digits as digits  # chapter 05 loads its data as ch
 from .common.models import mlp
 from .common.training import global_mean, wrap_ddp
 from .runtime.hardware import rank_device
+from .runtime.i18n import number, tr
 
 # --------------------------------------------------------------------------------------
 # 1. Writing and reading checkpoint files
@@ -166,12 +167,12 @@ def save_then_load(path, barrier: bool = True, delay: float = 0.0):
     if rank == 0:
         time.sleep(delay)  # stands in for a slow file system
         atomic_save(model.state_dict(), path)
-        print(f"saved {pathlib.Path(path).name}")
+        print(tr("saved {file}").format(file=pathlib.Path(path).name))
     if barrier:
         dist.barrier()  # nobody reads before rank 0 has finished writing
     map_location = device  # "cpu" here; "cuda:<rank>" under nccl, so no rank lands on cuda:0
     state = load_checkpoint(path, map_location=map_location)
-    print(f"loaded with map_location={map_location}")
+    print(tr("loaded with {argument}").format(argument=f"map_location={map_location}"))
     # For comparison: without map_location every tensor goes back to the device it was saved from.
     default_on = sorted({str(t.device) for t in torch.load(path, weights_only=True).values()})
     model.load_state_dict(state)
@@ -292,10 +293,12 @@ def restore(state, model, optimizer, scheduler, forget=()):
                 f"the checkpoint holds RNG states of {state['world_size']} ranks, this run has {dist.get_world_size()}"
             )
         rng = state["rng"][dist.get_rank()]
-    print(
-        f"resumed at step {state['step']} (epoch {state['epoch']}, batch {state['batch']})"
-        + (f", forgetting the {' and '.join(forget)}" if forget else "")
+    resumed = tr("resumed at step {step} (epoch {epoch}, batch {batch})").format(
+        step=state["step"], epoch=state["epoch"], batch=state["batch"]
     )
+    if forget:
+        resumed += tr(", forgetting: {parts}").format(parts=", ".join(forget))
+    print(resumed)
     return state["step"], epoch, state["batch"], rng
 
 
@@ -340,7 +343,7 @@ def train(
                 set_rng_state(pending_rng, device)
                 pending_rng = None
             if crash_at == (rank, step):
-                print(f"simulated crash: SIGKILL before step {step}")
+                print(tr("simulated crash: SIGKILL before step {step}").format(step=step))
                 os.kill(os.getpid(), signal.SIGKILL)
             loss = nn.functional.cross_entropy(ddp(augment(x).to(device)), y.to(device))
             optimizer.zero_grad(set_to_none=True)
@@ -355,7 +358,11 @@ def train(
                 state = training_state(model, optimizer, scheduler, step, epoch, batch + 1)
                 if rank == 0:
                     atomic_save(state, checkpoint_path(directory, step))
-                    print(f"step {step}: loss {losses[step - 1]:.4f}, checkpoint saved")
+                    print(
+                        tr("step {step}: loss {loss}, checkpoint saved").format(
+                            step=step, loss=number(losses[step - 1], 4)
+                        )
+                    )
                 dist.barrier()  # the checkpoint is complete on disk before anyone goes on
             if step == steps:
                 break
@@ -416,7 +423,10 @@ class DiesAfter:
 def save_and_die(path, atomic: bool, megabytes: int = 8, die_after: int = 2 * 2**20, step: int = 2):
     """Rank function: start saving a large checkpoint and get killed after ``die_after`` bytes."""
     state = {"step": step, "weights": torch.randn(megabytes * 2**20 // 4)}
-    print(f"writing a {megabytes} MiB checkpoint {'atomically' if atomic else 'in place'}...")
+    if atomic:
+        print(tr("writing a {size} MiB checkpoint atomically...").format(size=megabytes))
+    else:
+        print(tr("writing a {size} MiB checkpoint in place...").format(size=megabytes))
     if atomic:
         atomic_write(path, lambda f: torch.save(state, DiesAfter(f, die_after)))
     else:
@@ -513,7 +523,7 @@ def dcp_save_sharded(directory, steps: int = 3):
         optimizer.zero_grad()
     model_sd, optim_sd = get_state_dict(model, optimizer)
     local = {k: tuple(v.to_local().shape) for k, v in model_sd.items()}
-    print(f"local shards: {local}")
+    print(tr("local shards: {shapes}").format(shapes=local))
     dcp.save({"model": model_sd, "optimizer": optim_sd}, checkpoint_id=directory)  # each rank writes its shards
     return {"local_shapes": local, "model": _full(model_sd), "optimizer": _full(optim_sd)}
 
@@ -530,7 +540,7 @@ def dcp_load_resharded(directory):
     dcp.load(state, checkpoint_id=directory, planner=weights_only_planner())  # each rank reads only its slices
     set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optimizer"])
     local = {k: tuple(v.to_local().shape) for k, v in state["model"].items()}
-    print(f"local shards: {local}")
+    print(tr("local shards: {shapes}").format(shapes=local))
     model_sd, optim_sd = get_state_dict(model, optimizer)
     return {"local_shapes": local, "model": _full(model_sd), "optimizer": _full(optim_sd)}
 

@@ -23,6 +23,7 @@ import torch.distributed as dist
 
 from .common.timing import best_of
 from .runtime.hardware import rank_device
+from .runtime.i18n import tr
 
 
 def _start(numel: int | None = None) -> torch.Tensor:
@@ -493,7 +494,7 @@ def markdown_table(header, rows) -> str:
 def before_after(results, name: str) -> str:
     """Markdown table of one demo's before/after per rank, from ``tour()`` results."""
     rows = [(rank, res[name]["before"], res[name]["after"]) for rank, res in enumerate(results)]
-    return markdown_table(["rank", "before", "after"], rows)
+    return markdown_table([tr("rank"), tr("before"), tr("after")], rows)
 
 
 def source(fn) -> str:

@@ -34,6 +34,7 @@ from .common.datasets import digits_batch
 from .common.models import mlp  # chapter 02 builds its models from here: data_parallel.mlp
 from .common.timing import Stopwatch
 from .runtime.hardware import gpu_count, rank_device
+from .runtime.i18n import number, tr
 
 # --- models and data ------------------------------------------------------------------
 
@@ -51,7 +52,7 @@ class ShapeReporter(nn.Module):
         self.calls: list[tuple[tuple[int, ...], str]] = []
 
     def forward(self, x):
-        print(f"  forward: input {tuple(x.shape)} on {x.device}")
+        print("  " + tr("forward: input {shape} on {device}").format(shape=tuple(x.shape), device=x.device))
         self.calls.append((tuple(x.shape), str(x.device)))
         return self.fc(x)
 
@@ -179,7 +180,11 @@ def all_reduce_step(x, y, state: dict, lr: float = 0.1, **model_kwargs):
         dist.all_reduce(p.grad, op=dist.ReduceOp.SUM)  # every rank now holds the sum...
         p.grad /= world  # ...and divides it: the average
     sgd_step([model], lr)
-    print(f"chunk {tuple(xc.shape)} on {device}, loss {loss.item():.4f}")
+    print(
+        tr("chunk {shape} on {device}, loss {loss}").format(
+            shape=tuple(xc.shape), device=device, loss=number(loss.item(), 4)
+        )
+    )
     return {"loss": loss.item(), "params": params_of(model)}
 
 

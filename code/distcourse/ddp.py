@@ -46,6 +46,7 @@ from .common.training import train_step
 from .common.training import wrap_ddp as wrap  # this rank's device, device_ids only on a GPU
 from .data_parallel import params_of
 from .runtime.hardware import rank_device
+from .runtime.i18n import tr
 
 
 def my_share(x: torch.Tensor, y: torch.Tensor):
@@ -386,7 +387,11 @@ def batchnorm_step(x, y, model_kwargs: dict, kind: str, lr: float = 0.1) -> dict
     F.cross_entropy(out, ys).backward()
     optimizer.step()
     bn = next(m for m in model.modules() if isinstance(m, nn.modules.batchnorm._BatchNorm))
-    print(f"{type(bn).__name__} on {xs.device}: {len(index)} samples of {len(x)}")
+    print(
+        tr("{layer} on {device}: {n} samples of {total}").format(
+            layer=type(bn).__name__, device=xs.device, n=len(index), total=len(x)
+        )
+    )
     return {
         "samples": index,
         "out": out.detach().cpu(),
@@ -414,7 +419,7 @@ def syncbn_on_cpu() -> str:
     try:
         layer(torch.randn(8, 4))
     except ValueError as error:
-        print(f"SyncBatchNorm on a CPU tensor: ValueError: {error}")
+        print(tr("SyncBatchNorm on a CPU tensor: {error}").format(error=f"ValueError: {error}"))
         return str(error)
     return ""
 

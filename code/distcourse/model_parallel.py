@@ -29,6 +29,7 @@ from torch import nn
 from .common.datasets import digits_batch
 from .common.timing import clock
 from .runtime.hardware import gpu_count, rank_device
+from .runtime.i18n import tr
 
 # --------------------------------------------------------------------------------------
 # 1. A model in two stages, and the same model split over two devices
@@ -275,10 +276,16 @@ def check_order(order, m: int, stage: int) -> None:
         got = sorted((str(kind), int(i)) for kind, i in order)
     except (TypeError, ValueError):
         raise ValueError(
-            f"stage {stage}: the order must be a list of ('F', i) / ('B', i) pairs, got {order!r}"
+            tr("stage {stage}: the order must be a list of ('F', i) / ('B', i) pairs, got {order}").format(
+                stage=stage, order=repr(order)
+            )
         ) from None
     if got != expected:
-        raise ValueError(f"stage {stage}: every micro-batch 0..{m - 1} needs exactly one 'F' and one 'B'")
+        raise ValueError(
+            tr("stage {stage}: every micro-batch 0..{last} needs exactly one 'F' and one 'B'").format(
+                stage=stage, last=m - 1
+            )
+        )
 
 
 def simulate(orders, forward=1.0, backward=2.0) -> list[list[tuple]]:
@@ -293,7 +300,7 @@ def simulate(orders, forward=1.0, backward=2.0) -> list[list[tuple]]:
     p, m = len(orders), sum(1 for kind, _ in orders[0] if kind == "F")
     cost = {kind: [t] * p if isinstance(t, (int, float)) else list(t) for kind, t in (("F", forward), ("B", backward))}
     if m == 0:
-        raise ValueError("stage 0 runs no forward at all")
+        raise ValueError(tr("stage 0 runs no forward at all"))
     for s, order in enumerate(orders):
         check_order(order, m, s)
     done: dict[tuple[str, int, int], float] = {}  # (kind, stage, i) -> end time
@@ -317,7 +324,7 @@ def simulate(orders, forward=1.0, backward=2.0) -> list[list[tuple]]:
                 progressed = True
         if not progressed:
             stuck = {s: orders[s][position[s]] for s in range(p) if position[s] < len(orders[s])}
-            raise ValueError(f"the schedule deadlocks: every stage waits ({stuck})")
+            raise ValueError(tr("the schedule deadlocks: every stage waits ({stuck})").format(stuck=stuck))
     return events
 
 
@@ -348,8 +355,12 @@ def peak_in_flight(events) -> int:
 COLORS = {"F": "#4C72B0", "B": "#DD8452"}
 
 
-def plot_schedule(ax, stage_events, title: str, unit: float = 1e3, xlabel: str = "time since the step started (ms)"):
-    """Gantt chart: one row per stage, one bar per forward (blue) and backward (orange)."""
+def plot_schedule(ax, stage_events, title: str, unit: float = 1e3, xlabel: str | None = None):
+    """Gantt chart: one row per stage, one bar per forward (blue) and backward (orange).
+
+    ``xlabel``: default "time since the step started (ms)", in the notebook's language."""
+    if xlabel is None:
+        xlabel = tr("time since the step started (ms)")
     total = step_seconds(stage_events) * unit
     for s, events in enumerate(stage_events):
         for kind, i, start, end in events:
@@ -362,7 +373,7 @@ def plot_schedule(ax, stage_events, title: str, unit: float = 1e3, xlabel: str =
             )
             if (end - start) * unit > 0.03 * total:  # label the bars that have room for it
                 ax.text((start + end) / 2 * unit, s, f"{kind}{i}", ha="center", va="center", fontsize=7, color="white")
-    ax.set_yticks(range(len(stage_events)), [f"stage {s}" for s in range(len(stage_events))])
+    ax.set_yticks(range(len(stage_events)), [tr("stage {s}").format(s=s) for s in range(len(stage_events))])
     ax.set_ylim(len(stage_events) - 0.5, -0.5)  # stage 0 on top
     ax.set_xlim(0, total * 1.02)
     ax.set_xlabel(xlabel)

@@ -25,6 +25,7 @@ from .common.timing import clock
 from .common.training import wrap_ddp
 from .model_parallel import two_stage_model
 from .runtime.hardware import rank_device
+from .runtime.i18n import number, tr
 
 SCHEDULES = {"GPipe": ScheduleGPipe, "1F1B": Schedule1F1B}
 
@@ -156,7 +157,14 @@ def ddp_pipeline_step(model_kwargs: dict, x, y, n_micro: int, lr: float = 0.1) -
     optimizer = torch.optim.SGD(module.parameters(), lr=lr)
     optimizer.step()
     loss = sum(loss.item() for loss in losses) / n_micro if losses else None
-    print(f"replica {replica}, stage {index}: {len(xr)} samples" + (f", loss {loss:.4f}" if loss is not None else ""))
+    if loss is None:
+        print(tr("replica {replica}, stage {stage}: {n} samples").format(replica=replica, stage=index, n=len(xr)))
+    else:
+        print(
+            tr("replica {replica}, stage {stage}: {n} samples, loss {loss}").format(
+                replica=replica, stage=index, n=len(xr), loss=number(loss, 4)
+            )
+        )
     return {
         "replica": replica,
         "stage": index,

@@ -24,6 +24,7 @@ from torch import nn
 from .common.models import mlp
 from .common.training import wrap_ddp
 from .runtime.hardware import rank_device
+from .runtime.i18n import number, tr
 
 # Bytes per parameter for Adam. Mixed precision (ZeRO paper): 16-bit weights and gradients
 # for the forward and backward pass, and in the optimizer an fp32 master copy of the weights
@@ -189,7 +190,14 @@ def measure_memory(strategies=("ddp", "zero1", "fsdp")) -> dict:
         _one_step(wrapped, optimizer, device)
         report[strategy] = memory_report(model, optimizer)
         r = report[strategy]
-        print(f"{strategy:5s}: params {r['params']:7,d} B  grads {r['grads']:7,d} B  optimizer {r['optimizer']:7,d} B")
+        print(
+            tr("{strategy}: weights {params} B  gradients {grads} B  optimizer {optimizer} B").format(
+                strategy=f"{strategy:5s}",
+                params=f"{number(r['params']):>7}",
+                grads=f"{number(r['grads']):>7}",
+                optimizer=f"{number(r['optimizer']):>7}",
+            )
+        )
     return report
 
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from .. import data_parallel as dp
+from ..runtime.i18n import number, tr
 from . import verdict
 
 
@@ -20,19 +21,30 @@ def check_weighted_reduce(reduce) -> bool:
         try:
             replicas, _, _ = dp.data_parallel_step(model, x, y, dp.devices_for(k), lr=0.5, reduce=reduce)
         except Exception as exc:  # the learner's code may raise anything
-            problems.append(f"{size} samples on {k} replicas: the step raised {type(exc).__name__}: {exc}")
+            problems.append(
+                tr("{size} samples on {k} replicas: the step raised {error}").format(
+                    size=size, k=k, error=f"{type(exc).__name__}: {exc}"
+                )
+            )
             continue
         if not all(dp.identical(replicas[0], r) for r in replicas[1:]):
             problems.append(
-                f"{size} samples on {k} replicas: the replicas differ after the step; "
-                "every replica must end up with the same gradient"
+                tr(
+                    "{size} samples on {k} replicas: the replicas differ after the step; "
+                    "every replica must end up with the same gradient"
+                ).format(size=size, k=k)
             )
         elif dp.max_difference(replicas[0], reference) > 1e-6:
             problems.append(
-                f"{size} samples on {k} replicas: the update differs from the full-batch step by "
-                f"{dp.max_difference(replicas[0], reference):.1e}; weight each replica's gradient by "
-                "its chunk's share of the batch"
+                tr(
+                    "{size} samples on {k} replicas: the update differs from the full-batch step by "
+                    "{difference}; weight each replica's gradient by its chunk's share of the batch"
+                ).format(
+                    size=size,
+                    k=k,
+                    difference=number(dp.max_difference(replicas[0], reference), 1, scientific=True),
+                )
             )
     return verdict(
-        problems, "Correct: with chunks of 4, 3 and 3 samples the replicas take exactly the full-batch step."
+        problems, tr("Correct: with chunks of 4, 3 and 3 samples the replicas take exactly the full-batch step.")
     )

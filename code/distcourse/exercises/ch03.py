@@ -11,6 +11,7 @@ from __future__ import annotations
 import torch
 
 from ..collectives import simulate_ring
+from ..runtime.i18n import tr
 
 
 def check_left_ring(reduce_scatter_chunk, all_gather_chunk) -> bool:
@@ -24,14 +25,16 @@ def check_left_ring(reduce_scatter_chunk, all_gather_chunk) -> bool:
             try:
                 final = simulate_ring(values, reduce_scatter_chunk, all_gather_chunk, direction=-1)
             except Exception as exc:  # the learner's function raised or returned a bad index
-                print(f"Not yet: with n={n} ranks, {type(exc).__name__}: {exc}")
+                print(tr("Not yet: with n={n} ranks, {error}").format(n=n, error=f"{type(exc).__name__}: {exc}"))
                 return False
             wrong = [r for r in range(n) if not torch.equal(final[r], expected)]
             if wrong:
                 print(
-                    f"Not yet: with n={n} ranks and {numel} elements, rank {wrong[0]} ends with "
-                    f"{final[wrong[0]].tolist()} instead of the sum {expected.tolist()}."
+                    tr(
+                        "Not yet: with n={n} ranks and {numel} elements, rank {rank} ends with "
+                        "{got} instead of the sum {expected}."
+                    ).format(n=n, numel=numel, rank=wrong[0], got=final[wrong[0]].tolist(), expected=expected.tolist())
                 )
                 return False
-    print("Correct: your leftward ring all-reduce gives every rank the sum, for 2 to 6 ranks.")
+    print(tr("Correct: your leftward ring all-reduce gives every rank the sum, for 2 to 6 ranks."))
     return True

@@ -16,6 +16,8 @@ import itertools
 import torch
 from torch.utils.data import DistributedSampler
 
+from ..runtime.i18n import tr
+
 # (dataset size, world size): even splits, splits that need padding, more ranks
 CASES = [(10, 2), (11, 2), (7, 3), (10, 4), (5, 4)]
 
@@ -34,21 +36,21 @@ def _problem(my_shard) -> str | None:
             try:
                 got = my_shard(size, world, rank, epoch, seed=seed)
                 if got is None:
-                    return "my_shard returned None: return the list of this rank's indices"
+                    return tr("my_shard returned None: return the list of this rank's indices")
                 got = [int(i) for i in got]
             except Exception as exc:  # the learner's code may raise anything
-                return f"{call} raised {type(exc).__name__}: {exc}"
+                return tr("{call} raised {error}").format(call=call, error=f"{type(exc).__name__}: {exc}")
             want = expected_shard(size, world, rank, epoch, seed)
             if got == want:
                 continue
             if len(got) != len(want):
-                return (
-                    f"{call} gave {len(got)} indices instead of {len(want)}. Every rank must get "
-                    f"ceil({size}/{world}) = {len(want)}: pad the permutation by repeating its start"
-                )
+                return tr(
+                    "{call} gave {got} indices instead of {want}. Every rank must get "
+                    "ceil({size}/{world}) = {want}: pad the permutation by repeating its start"
+                ).format(call=call, got=len(got), want=len(want), size=size, world=world)
             if epoch > 0 and got == expected_shard(size, world, rank, 0, seed):
-                return f"{call} gave the order of epoch 0. Seed the generator with seed + epoch"
-            return f"{call} gave {got}; DistributedSampler gives {want}"
+                return tr("{call} gave the order of epoch 0. Seed the generator with seed + epoch").format(call=call)
+            return tr("{call} gave {got}; DistributedSampler gives {want}").format(call=call, got=got, want=want)
     return None
 
 
@@ -57,9 +59,11 @@ def check_shard(my_shard) -> bool:
     of ``DistributedSampler(shuffle=True, drop_last=False)`` after ``set_epoch(epoch)``."""
     problem = _problem(my_shard)
     if problem:
-        print(f"Not yet: {problem}.")
+        print(tr("Not yet: {problem}.").format(problem=problem))
         return False
-    print("Correct: your shards match DistributedSampler's for all sizes, world sizes, ranks, epochs and seeds tried.")
+    print(
+        tr("Correct: your shards match DistributedSampler's for all sizes, world sizes, ranks, epochs and seeds tried.")
+    )
     return True
 
 
@@ -84,27 +88,33 @@ def _stats_problem(my_global_stats) -> str | None:
             got = my_global_stats(list(counts), [t.clone() for t in sums], [t.clone() for t in squares])
             mean, var = got
         except Exception as exc:  # the learner's code may raise anything
-            return f"{call} raised {type(exc).__name__}: {exc}"
+            return tr("{call} raised {error}").format(call=call, error=f"{type(exc).__name__}: {exc}")
         if mean is None or var is None:
-            return "my_global_stats returned None: return (mean, variance), two tensors of shape [C]"
+            return tr("my_global_stats returned None: return (mean, variance), two tensors of shape [C]")
         mean, var = torch.as_tensor(mean, dtype=torch.float64), torch.as_tensor(var, dtype=torch.float64)
         if mean.shape != want_mean.shape or var.shape != want_var.shape:
-            return f"{call} returned shapes {tuple(mean.shape)} and {tuple(var.shape)}; both should be ({channels},)"
+            return tr("{call} returned shapes {mean} and {var}; both should be {want}").format(
+                call=call, mean=tuple(mean.shape), var=tuple(var.shape), want=(channels,)
+            )
         if not torch.allclose(mean, want_mean, atol=1e-9):
             average_of_means = torch.stack([s / n for s, n in zip(sums, counts)]).mean(0)
             if torch.allclose(mean, average_of_means, atol=1e-9):
-                return (
-                    f"{call}: the mean is the average of the ranks' means, which weighs a rank with "
-                    f"few samples as much as one with many. Divide the total sum by the total count"
-                )
-            return f"{call}: mean {mean.tolist()}, expected {want_mean.tolist()}"
+                return tr(
+                    "{call}: the mean is the average of the ranks' means, which weighs a rank with "
+                    "few samples as much as one with many. Divide the total sum by the total count"
+                ).format(call=call)
+            return tr("{call}: mean {got}, expected {want}").format(
+                call=call, got=mean.tolist(), want=want_mean.tolist()
+            )
         if not torch.allclose(var, want_var, atol=1e-9):
             if torch.allclose(var, everything.var(0, unbiased=True), atol=1e-9):
-                return (
-                    f"{call}: that is the unbiased variance (divided by n - 1). BatchNorm normalises "
-                    f"with the biased one, divided by n"
-                )
-            return f"{call}: variance {var.tolist()}, expected {want_var.tolist()}"
+                return tr(
+                    "{call}: that is the unbiased variance (divided by n - 1). BatchNorm normalises "
+                    "with the biased one, divided by n"
+                ).format(call=call)
+            return tr("{call}: variance {got}, expected {want}").format(
+                call=call, got=var.tolist(), want=want_var.tolist()
+            )
     return None
 
 
@@ -113,7 +123,7 @@ def check_global_stats(my_global_stats) -> bool:
     per channel, of all ranks' samples together."""
     problem = _stats_problem(my_global_stats)
     if problem:
-        print(f"Not yet: {problem}.")
+        print(tr("Not yet: {problem}.").format(problem=problem))
         return False
-    print("Correct: your statistics match those of all ranks' samples together, for equal and unequal shares.")
+    print(tr("Correct: your statistics match those of all ranks' samples together, for equal and unequal shares."))
     return True

@@ -15,6 +15,7 @@ import tempfile
 import torch
 
 from ..checkpoints import load_checkpoint
+from ..runtime.i18n import tr
 from . import verdict
 
 
@@ -58,57 +59,59 @@ def check_atomic_save(atomic_save) -> bool:
             with _watch_os_calls(events):
                 atomic_save(first, path)
         except Exception as exc:
-            problems.append(f"saving a plain state raised {exc!r}")
+            problems.append(tr("saving a plain state raised {error}").format(error=repr(exc)))
         if not path.is_file():
-            problems.append("after atomic_save(obj, path) there is no file at path")
+            problems.append(tr("after atomic_save(obj, path) there is no file at path"))
         else:
             try:
                 loaded = load_checkpoint(path)
                 if loaded["step"] != 1 or not torch.equal(loaded["weights"], first["weights"]):
-                    problems.append("the saved file does not load back as the object that was saved")
+                    problems.append(tr("the saved file does not load back as the object that was saved"))
             except Exception as exc:
-                problems.append(f"the saved file does not load with weights_only=True: {exc}")
+                problems.append(tr("the saved file does not load with weights_only=True: {error}").format(error=exc))
             problems += _check_os_calls(events, path)
 
         if path.is_file():  # a save that fails halfway must leave the previous checkpoint intact
             problems += _check_failed_save(atomic_save, path)
         leftovers = sorted(p.name for p in directory.iterdir() if p.name != path.name)
         if leftovers:
-            problems.append(f"temporary files left behind in the directory: {leftovers}")
+            problems.append(tr("temporary files left behind in the directory: {files}").format(files=leftovers))
     return verdict(
-        problems, "Correct: complete files only, flushed to disk before the rename, no debris after a failure."
+        problems, tr("Correct: complete files only, flushed to disk before the rename, no debris after a failure.")
     )
 
 
 def _check_failed_save(atomic_save, path: pathlib.Path) -> list[str]:
     try:
         atomic_save({"step": 2, "weights": torch.zeros(6), "oops": _FailsWhileSaving()}, path)
-        return ["a save that fails while writing must raise, not return quietly"]
+        return [tr("a save that fails while writing must raise, not return quietly")]
     except RuntimeError:
         pass
     except Exception as exc:
-        return [f"a failing save should let the original error through, got {exc!r}"]
+        return [tr("a failing save should let the original error through, got {error}").format(error=repr(exc))]
     if not path.is_file():
-        return ["a save that failed halfway deleted the previous checkpoint"]
+        return [tr("a save that failed halfway deleted the previous checkpoint")]
     try:
         step = load_checkpoint(path)["step"]
     except Exception:
-        return ["a save that failed halfway destroyed the previous checkpoint"]
-    return [] if step == 1 else ["a failed save replaced the previous checkpoint"]
+        return [tr("a save that failed halfway destroyed the previous checkpoint")]
+    return [] if step == 1 else [tr("a failed save replaced the previous checkpoint")]
 
 
 def _check_os_calls(events, path: pathlib.Path) -> list[str]:
     moves = [e for e in events if e[0] in ("replace", "rename") and pathlib.Path(e[2]) == path]
     if not moves:
-        return ["the file was not moved into place with os.replace: write elsewhere, then rename"]
+        return [tr("the file was not moved into place with os.replace: write elsewhere, then rename")]
     source = pathlib.Path(moves[-1][1])
     problems = []
     if source.parent != path.parent:
         problems.append(
-            f"the temporary file was in {source.parent}, not next to the target: a rename is "
-            "atomic only within one file system, so keep it in the same directory"
+            tr(
+                "the temporary file was in {folder}, not next to the target: a rename is "
+                "atomic only within one file system, so keep it in the same directory"
+            ).format(folder=source.parent)
         )
     move_at = events.index(moves[-1])
     if not any(e[0] == "fsync" for e in events[:move_at]):
-        problems.append("no os.fsync before the rename: after a power loss the renamed file may be empty")
+        problems.append(tr("no os.fsync before the rename: after a power loss the renamed file may be empty"))
     return problems

@@ -10,6 +10,7 @@ import contextlib
 import io
 import shlex
 
+from ..runtime.i18n import tr
 from . import verdict
 
 # (node_rank, local_rank, nproc_per_node) -> global rank, as torchrun numbers workers
@@ -25,15 +26,19 @@ def check_global_rank(global_rank) -> bool:
         try:
             got = global_rank(node, local, nproc)
         except Exception as exc:
-            problems.append(f"global_rank({node}, {local}, {nproc}) raised {exc!r}")
+            problems.append(
+                tr("{call} raised {error}").format(call=f"global_rank({node}, {local}, {nproc})", error=repr(exc))
+            )
             continue
         if got != expected:
-            problems.append(f"global_rank({node}, {local}, {nproc}) returned {got!r}")
+            problems.append(
+                tr("{call} returned {value}").format(call=f"global_rank({node}, {local}, {nproc})", value=repr(got))
+            )
     if not problems:  # every worker of a 3-node x 4-process job gets its own rank 0..11
         ranks = sorted(global_rank(n, local, 4) for n in range(3) for local in range(4))
         if ranks != list(range(12)):
-            problems.append(f"3 nodes x 4 processes give ranks {ranks}, not 0..11 once each")
-    return verdict(problems[:4], "Correct: node rank times processes per node, plus the local rank.")
+            problems.append(tr("3 nodes x 4 processes give ranks {ranks}, not 0..11 once each").format(ranks=ranks))
+    return verdict(problems[:4], tr("Correct: node rank times processes per node, plus the local rank."))
 
 
 # The cluster of the command-line exercise.
@@ -47,12 +52,12 @@ def check_torchrun_command(command: str) -> bool:
     problems = []
     words = shlex.split(command or "")
     if not words:
-        print("Not yet:\n  - my_command is empty: write the torchrun command line there")
+        print(tr("Not yet:") + "\n  - " + tr("my_command is empty: write the torchrun command line there"))
         return False
     if words[:3] == ["python", "-m", "torch.distributed.run"]:
         words = ["torchrun"] + words[3:]
     if not words or words[0] != "torchrun":
-        print("Not yet:\n  - the command should start with torchrun")
+        print(tr("Not yet:") + "\n  - " + tr("the command should start with torchrun"))
         return False
     message = io.StringIO()
     try:
@@ -60,7 +65,7 @@ def check_torchrun_command(command: str) -> bool:
             args = get_args_parser().parse_args(words[1:])
     except SystemExit:
         error = (message.getvalue().strip().splitlines() or ["?"])[-1]
-        print(f"Not yet:\n  - torchrun cannot parse these arguments: {error}")
+        print(tr("Not yet:") + "\n  - " + tr("torchrun cannot parse these arguments: {error}").format(error=error))
         return False
     want = {
         "--nnodes": (args.nnodes, str(LAYOUT["nodes"])),
@@ -71,9 +76,11 @@ def check_torchrun_command(command: str) -> bool:
     }
     for flag, (got, expected) in want.items():
         if got != expected:
-            problems.append(f"{flag} is {got!r}, expected {expected!r}")
+            problems.append(
+                tr("{flag} is {got}, expected {expected}").format(flag=flag, got=repr(got), expected=repr(expected))
+            )
     if args.standalone:
-        problems.append("--standalone runs a single-node job: it ignores the rendezvous you need here")
+        problems.append(tr("--standalone runs a single-node job: it ignores the rendezvous you need here"))
     if not (args.module and args.training_script == "distcourse.train"):
-        problems.append("run the module with -m distcourse.train (after the torchrun options)")
-    return verdict(problems, "Correct: the same command on all 4 nodes; the rendezvous assigns node ranks.")
+        problems.append(tr("run the module with -m distcourse.train (after the torchrun options)"))
+    return verdict(problems, tr("Correct: the same command on all 4 nodes; the rendezvous assigns node ranks."))

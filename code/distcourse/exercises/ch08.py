@@ -8,6 +8,7 @@ Activations and buffers are left out, as in the chapter.
 
 from __future__ import annotations
 
+from ..runtime.i18n import number, tr
 from ..sharding import MIXED_ADAM, zero_bytes
 
 # (GPU memory in bytes, number of GPUs, ZeRO stage)
@@ -26,6 +27,16 @@ CASES = [
 STAGE_NAMES = {0: "stage 0 (plain DDP)", 1: "stage 1", 2: "stage 2", 3: "stage 3 (FSDP)"}
 
 
+def _stage_name(stage: int) -> str:
+    """STAGE_NAMES[stage] in the notebook's language."""
+    return {
+        0: tr("stage 0 (plain DDP)"),
+        1: tr("stage {s}").format(s=1),
+        2: tr("stage {s}").format(s=2),
+        3: tr("stage 3 (FSDP)"),
+    }[stage]
+
+
 def _per_rank(num_params: int, world_size: int, stage: int) -> float:
     return sum(zero_bytes(num_params, world_size, stage, MIXED_ADAM).values())
 
@@ -42,26 +53,37 @@ def check_max_params(max_params) -> bool:
         try:
             answer = max_params(gpu_bytes, world_size, stage)
         except Exception as exc:  # the learner's code: report, do not crash the notebook
-            problems.append(f"max_params({gpu_bytes:.0e}, {world_size}, {stage}) raised {exc!r}")
+            problems.append(
+                tr("{call} raised {error}").format(
+                    call=f"max_params({gpu_bytes:.0e}, {world_size}, {stage})", error=repr(exc)
+                )
+            )
             continue
         if answer is None:
-            print("Not yet: my_max_params returns None. Replace `pass` with your formula.")
+            print(tr("Not yet: my_max_params returns None. Replace `pass` with your formula."))
             return False
         if not isinstance(answer, int) or isinstance(answer, bool):
             problems.append(
-                f"max_params({gpu_bytes:.0e}, {world_size}, {stage}) returned {answer!r}: "
-                "a number of parameters is a whole number (use int(...) or //)"
+                tr("{call} returned {value}: a number of parameters is a whole number (use int(...) or //)").format(
+                    call=f"max_params({gpu_bytes:.0e}, {world_size}, {stage})", value=repr(answer)
+                )
             )
             continue
         if not _fits_exactly(answer, gpu_bytes, world_size, stage):
             too_many = _per_rank(answer, world_size, stage) > gpu_bytes
-            verdict = "are too many: they do not fit" if too_many else "are too few: more would fit"
+            verdict = (
+                tr("{answer} parameters are too many: they do not fit")
+                if too_many
+                else tr("{answer} parameters are too few: more would fit")
+            ).format(answer=number(answer))
             problems.append(
-                f"{world_size} GPU(s) of {gpu_bytes / 1e9:g} GB, ZeRO {STAGE_NAMES[stage]}: {answer:,d} parameters "
-                f"{verdict} (which of the 2 + 2 + 12 bytes are divided by the number of GPUs at this stage?)"
+                tr(
+                    "{gpus} GPU(s) of {gb} GB, ZeRO {stage}: {verdict} "
+                    "(which of the 2 + 2 + 12 bytes are divided by the number of GPUs at this stage?)"
+                ).format(gpus=world_size, gb=number(gpu_bytes / 1e9), stage=_stage_name(stage), verdict=verdict)
             )
     if problems:
-        print("Not yet:\n  " + "\n  ".join(problems[:4]) + ("\n  ..." if len(problems) > 4 else ""))
+        print(tr("Not yet:") + "\n  " + "\n  ".join(problems[:4]) + ("\n  ..." if len(problems) > 4 else ""))
         return False
-    print(f"Correct: all {len(CASES)} cases fit exactly (and one more parameter would not).")
+    print(tr("Correct: all {n} cases fit exactly (and one more parameter would not).").format(n=len(CASES)))
     return True

@@ -14,6 +14,12 @@ files because the catalogs are edited by translators next to the notebooks and
 need no compile step; ``tests/test_translations.py`` checks that every ``tr()``
 string in the English chapters has an entry in every catalog.
 
+The package itself speaks through ``tr()`` too: exercise verdicts, the lines rank
+functions print, table headers and axis labels it draws; ``tools/translations.py``
+collects the ``tr("...")`` literals of ``code/distcourse/**/*.py`` as well. Numbers it
+shows go through ``number()``, which writes them the reader's way (``1,234.5`` in
+English, ``1 234,5`` in Russian, ``1.234,5`` in Brazilian Portuguese).
+
 Chinese and Korean labels need a CJK font. ``set_language`` looks for one among
 the installed fonts (Noto Sans CJK, Source Han Sans and the usual system fonts);
 with ``install_fonts=True`` (the setup cell passes it in Colab) it installs
@@ -25,6 +31,7 @@ from __future__ import annotations
 
 import glob
 import json
+import operator
 import os
 import pathlib
 import shutil
@@ -130,10 +137,13 @@ def set_language(code: str | None = None, install_fonts: bool = False) -> str:
     if code in CJK_FONTS:
         font = _cjk_font(code, install_fonts)
         if font is None:
-            print(
-                "No Chinese/Korean font found, so figures keep their English text. "
-                "To get translated figures install one (Debian/Ubuntu/Colab: apt-get install fonts-noto-cjk) "
-                "and run this cell again."
+            print(  # in the notebook's language: the notebook can show it, the figures cannot
+                tr(
+                    "No Chinese/Korean font found, so figures keep their English text. "
+                    "To get translated figures install one (Debian/Ubuntu/Colab: apt-get install fonts-noto-cjk) "
+                    "and run this cell again.",
+                    language=code,
+                )
             )
             code, entries = "en", {}
         else:
@@ -148,6 +158,55 @@ def language() -> str:
     return _language
 
 
-def tr(text: str) -> str:
-    """``text`` (English) in the current language; English when the catalog lacks it."""
+def use(code: str) -> None:
+    """Text in language ``code`` from now on, without touching fonts: for rank processes,
+    which print but draw nothing (the launcher passes them the notebook's language)."""
+    global _language, _catalog
+    _catalog = catalog(code)
+    _language = code
+
+
+def tr(text: str, language: str | None = None) -> str:
+    """``text`` (English) in the current language (or ``language``); English when the catalog lacks it."""
+    if language is not None and language != _language:
+        return catalog(language).get(text, text)
     return _catalog.get(text, text)
+
+
+def _babel_locale(code: str) -> str:
+    return languages.get(code).sphinx
+
+
+def number(value, digits: int | None = None, *, grouping: bool = True, scientific: bool = False) -> str:
+    """``value`` written the way readers of the current language write numbers.
+
+    ``digits``: exactly that many decimals (default: an integer as it is, other values with
+    at most 3 decimals); ``grouping``: thousands separators; ``scientific``: ``1.2E-05``
+    style with ``digits`` decimals in the mantissa. Uses Babel (CLDR data: a decimal comma
+    in Russian and Brazilian Portuguese, a no-break space between thousands in Russian);
+    without Babel (the package installed with ``--no-deps``) plain Python formatting.
+    """
+    try:
+        from babel import numbers
+    except ImportError:
+        numbers = None
+    if scientific:
+        places = 1 if digits is None else digits
+        if numbers is None:
+            return f"{value:.{places}e}"
+        pattern = "0." + "0" * places + "E00" if places else "0E00"
+        return numbers.format_scientific(value, pattern, locale=_babel_locale(_language))
+    if numbers is None:
+        comma = "," if grouping else ""
+        if digits is not None:
+            return f"{value:{comma}.{digits}f}"
+        try:  # an integer (also numpy's) as it is
+            return f"{operator.index(value):{comma}d}"
+        except TypeError:  # as Babel's "#,##0.###": up to 3 decimals, no trailing zeros
+            return f"{float(value):{comma}.3f}".rstrip("0").rstrip(".")
+    whole = "#,##0" if grouping else "0"
+    if digits is None:
+        pattern = whole + ".###"
+    else:
+        pattern = whole + ("." + "0" * digits if digits else "")
+    return numbers.format_decimal(value, pattern, locale=_babel_locale(_language))

@@ -52,7 +52,7 @@ from multiprocessing.connection import Connection, wait
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from . import hardware, processes
+from . import hardware, i18n, processes
 from .messages import RECEIVED, Failed, Returned, Task
 from .output import RankOutput
 from .rank import run_rank
@@ -69,15 +69,18 @@ class LaunchError(RuntimeError):
 class RankFailed(LaunchError):
     def __init__(self, rank: int, detail: str, outputs: dict[int, str]):
         self.rank, self.detail, self.outputs = rank, detail, outputs
-        super().__init__(f"rank {rank} failed; the other ranks were stopped.\n\n{detail}".rstrip())
+        headline = i18n.tr("rank {rank} failed; the other ranks were stopped.").format(rank=rank)
+        super().__init__(f"{headline}\n\n{detail}".rstrip())
 
 
 class LaunchTimeout(LaunchError, TimeoutError):
     def __init__(self, timeout: float, running: list[int], outputs: dict[int, str]):
         self.running, self.outputs = running, outputs
         super().__init__(
-            f"ranks {running} were still running after the {timeout:g} s timeout and were stopped "
-            f"(a rank waiting in a collective that another rank never joins hangs like this)"
+            i18n.tr(
+                "ranks {running} were still running after the {timeout} s timeout and were stopped "
+                "(a rank waiting in a collective that another rank never joins hangs like this)"
+            ).format(running=running, timeout=i18n.number(timeout))
         )
 
 
@@ -399,6 +402,7 @@ def launch(
         share_tensors=share_tensors,
         start_method=multiprocessing.get_context().get_start_method(),  # the default, without fixing it
         payload=payload,
+        language=i18n.language(),
     )
     run = _Run(task, timeout, output)
     try:

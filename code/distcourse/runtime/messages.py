@@ -32,6 +32,7 @@ class Task:
     share_tensors: bool  # results' tensors through shared memory (True) or pickled through the pipe
     start_method: str  # the launching process's default, for what the rank itself starts
     payload: bytes  # pickled (fn, args, kwargs)
+    language: str = "en"  # the notebook's (i18n.language()): what the rank prints through tr()
 
 
 @dataclass(frozen=True)

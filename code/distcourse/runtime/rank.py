@@ -27,7 +27,7 @@ import traceback
 import torch
 import torch.distributed as dist
 
-from . import hardware
+from . import hardware, i18n
 from .messages import RECEIVED, Failed, Returned, Task, dumps
 
 RECEIPT_TIMEOUT_S = 120.0  # how long a finished rank waits for the parent to read its reply
@@ -139,6 +139,7 @@ def _run(rank: int, task: Task, parent: _Parent):
     # with Python <= 3.13 that is "fork", and DataLoader workers start in milliseconds rather
     # than importing torch afresh in a new interpreter each.
     multiprocessing.set_start_method(task.start_method, force=True)
+    i18n.use(task.language)  # the rank speaks the notebook's language
     fn, args, kwargs = pickle.loads(task.payload)
     if not task.init_process_group:
         return _call(fn, args, kwargs, parent, task.share_tensors)
