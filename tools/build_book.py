@@ -29,6 +29,7 @@ from the cache: n of N, the notebook, its seconds, and the totals at the end.
 
 import argparse
 import hashlib
+import json
 import os
 import re
 import shutil
@@ -336,7 +337,38 @@ def compile_interface(interface: dict, locale: str, folder: Path) -> Path:
                 catalog.add(msgid, texts[locale])
         with open(messages / f"{domain}.mo", "wb") as f:
             write_mo(f, catalog)
+    search_page_catalog(interface, locale, messages)
     return folder.resolve()
+
+
+def search_page_catalog(interface: dict, locale: str, messages: Path) -> None:
+    """Sphinx's JavaScript catalog (sphinx.js) for the search page, with its empty entries filled.
+
+    The search page's JavaScript reads translations from sphinx.js, not from the .mo files, and
+    Sphinx takes the first sphinx.js it finds in locale_dirs before its own. Its packaged
+    Russian catalog translates "Search finished, found ..." as "", so a Russian reader saw an
+    empty result line. This copy fills such entries from book_interface.yml's "sphinx" domain
+    and drops the rest, which then fall back to English instead of to nothing.
+    """
+    import sphinx
+
+    packaged = Path(sphinx.__file__).parent / "locale" / locale / "LC_MESSAGES" / "sphinx.js"
+    if not packaged.is_file():
+        return
+    text = packaged.read_text(encoding="utf-8")
+    head, body = text.split("(", 1)
+    catalog = json.loads(body[: body.rindex(")")])
+    for msgid, translated in list(catalog["messages"].items()):
+        if translated and (not isinstance(translated, list) or all(translated)):
+            continue
+        fill = interface["sphinx"].get(msgid, {}).get(locale)
+        if fill:
+            catalog["messages"][msgid] = fill
+        else:
+            del catalog["messages"][msgid]
+    (messages / "sphinx.js").write_text(
+        f"{head}({json.dumps(catalog, ensure_ascii=False, indent=1)});\n", encoding="utf-8"
+    )
 
 
 PICKER = """<!DOCTYPE html>
