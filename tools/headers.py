@@ -93,7 +93,8 @@ def header_markdown(notebook: pathlib.Path, title: str, root: pathlib.Path = ROO
         if other != lang.code and (root / "chapters" / other / notebook.name).exists()
     ]
     if links:
-        lines += ["", f"**{lang.other_languages}:** " + " · ".join(links)]
+        colon = "：" if lang.code.startswith("zh") else ":"  # Chinese prose takes the full-width colon
+        lines += ["", f"**{lang.other_languages}{colon}** " + " · ".join(links)]
     if lang.translation_note:
         note = lang.translation_note.format(english=f"../en/{notebook.name}", status="../../translation-status.md")
         lines += ["", note]
