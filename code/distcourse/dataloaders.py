@@ -319,31 +319,41 @@ TORCHRUN_VARIABLES = (
 def torchrun_environment(nproc: int = 2, timeout: float = 60.0) -> list[dict]:
     """The variables in ``TORCHRUN_VARIABLES`` as each of ``nproc`` torchrun workers sees them, by rank.
 
-    The workers are bare ``python -c`` processes (``--no-python``) that print their
-    environment and exit, so this costs about what torchrun needs to start. The variable
+    The workers are bare ``python -c`` processes (``--no-python``) that write their
+    environment to a file each and exit, so this costs about what torchrun needs to start. The variable
     ``CUDA_VISIBLE_DEVICES`` is removed from torchrun's own environment first: if a worker
     has it, torchrun put it there.
     """
     import json
+    import tempfile
 
     from . import torchrun_tools as tt
 
-    probe = f"import json, os; print('env ' + json.dumps({{k: os.environ.get(k) for k in {TORCHRUN_VARIABLES!r}}}))"
-    env = tt.child_env()
-    env.pop("CUDA_VISIBLE_DEVICES", None)
-    command = [
-        sys.executable,
-        "-m",
-        "torch.distributed.run",
-        "--standalone",
-        f"--nproc-per-node={nproc}",
-        "--no-python",
-        sys.executable,
-        "-c",
-        probe,
-    ]
-    result = tt.run(command, timeout=timeout, env=env)
-    rows = [json.loads(line[4:]) for line in result.stdout.splitlines() if line.startswith("env ")]
+    with tempfile.TemporaryDirectory() as folder:
+        # One file per worker: both workers share torchrun's stdout, where two lines can interleave.
+        out = os.path.join(folder, "{}.json")
+        probe = (
+            f"import json, os; json.dump({{k: os.environ.get(k) for k in {TORCHRUN_VARIABLES!r}}}, "
+            f"open({out!r}.format(os.environ['RANK']), 'w'))"
+        )
+        env = tt.child_env()
+        env.pop("CUDA_VISIBLE_DEVICES", None)
+        command = [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--standalone",
+            f"--nproc-per-node={nproc}",
+            "--no-python",
+            sys.executable,
+            "-c",
+            probe,
+        ]
+        tt.run(command, timeout=timeout, env=env)
+        rows = []
+        for rank in range(nproc):
+            with open(out.format(rank)) as file:
+                rows.append(json.load(file))
     return sorted(rows, key=lambda row: int(row["RANK"]))
 
 
