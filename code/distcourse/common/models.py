@@ -42,3 +42,52 @@ def _layers(width, depth, inputs, outputs, batchnorm, dropout) -> nn.Sequential:
         layers += [nn.Dropout(dropout)] if dropout else []
         size = width
     return nn.Sequential(*layers, nn.Linear(size, outputs))
+
+
+class Block(nn.Module):
+    """A pre-LayerNorm transformer block: causal self-attention, then a 4x-wide GELU MLP.
+
+    ``attention="naive"`` writes attention out (scores, mask, softmax, weighted sum), the way
+    textbooks do, so that its (s x s) score matrices exist and can be counted; ``"sdpa"``
+    calls ``F.scaled_dot_product_attention``, whose fused kernel never stores them.
+    """
+
+    def __init__(self, hidden: int, heads: int, attention: str = "naive"):
+        super().__init__()
+        if hidden % heads:
+            raise ValueError(f"hidden={hidden} must be a multiple of heads={heads}")
+        if attention not in ("naive", "sdpa"):
+            raise ValueError(f"attention must be 'naive' or 'sdpa', got {attention!r}")
+        self.heads, self.attention = heads, attention
+        self.ln1, self.qkv, self.proj = nn.LayerNorm(hidden), nn.Linear(hidden, 3 * hidden), nn.Linear(hidden, hidden)
+        self.ln2, self.fc1, self.fc2 = (
+            nn.LayerNorm(hidden),
+            nn.Linear(hidden, 4 * hidden),
+            nn.Linear(4 * hidden, hidden),
+        )
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b, s, h = x.shape
+        q, k, v = self.qkv(self.ln1(x)).view(b, s, 3, self.heads, h // self.heads).permute(2, 0, 3, 1, 4)
+        if self.attention == "sdpa":
+            y = nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True)
+        else:
+            scores = q @ k.transpose(-2, -1) / (h // self.heads) ** 0.5
+            future = torch.ones(s, s, dtype=torch.bool, device=x.device).triu(1)  # a token sees no later token
+            y = scores.masked_fill(future, float("-inf")).softmax(-1) @ v
+        x = x + self.proj(y.transpose(1, 2).reshape(b, s, h))
+        return x + self.fc2(nn.functional.gelu(self.fc1(self.ln2(x))))
+
+
+def transformer(
+    hidden: int = 64, heads: int = 4, layers: int = 2, *, attention: str = "naive", seed: int | None = 0
+) -> nn.Sequential:
+    """``layers`` transformer blocks that map (batch, sequence, hidden) to the same shape.
+
+    No embedding and no output head: what the memory chapters count lives in the blocks.
+    The same ``seed`` gives the same weights in every process (see ``mlp``).
+    """
+    with torch.random.fork_rng(devices=[], enabled=seed is not None):
+        if seed is not None:
+            torch.manual_seed(seed)
+        return nn.Sequential(*(Block(hidden, heads, attention) for _ in range(layers)))
