@@ -96,25 +96,35 @@ def _stats_problem(my_global_stats) -> str | None:
             return tr("{call} returned shapes {mean} and {var}; both should be {want}").format(
                 call=call, mean=tuple(mean.shape), var=tuple(var.shape), want=(channels,)
             )
-        if not torch.allclose(mean, want_mean, atol=1e-9):
-            average_of_means = torch.stack([s / n for s, n in zip(sums, counts)]).mean(0)
-            if torch.allclose(mean, average_of_means, atol=1e-9):
-                return tr(
+        average_of_means = torch.stack([s / n for s, n in zip(sums, counts)]).mean(0)
+        # (answer, expected, a known mistake, what to say about it, what to say otherwise)
+        for got, want, mistake, hint, wrong in (
+            (
+                mean,
+                want_mean,
+                average_of_means,
+                tr(
                     "{call}: the mean is the average of the ranks' means, which weighs a rank with "
                     "few samples as much as one with many. Divide the total sum by the total count"
-                ).format(call=call)
-            return tr("{call}: mean {got}, expected {want}").format(
-                call=call, got=mean.tolist(), want=want_mean.tolist()
-            )
-        if not torch.allclose(var, want_var, atol=1e-9):
-            if torch.allclose(var, everything.var(0, unbiased=True), atol=1e-9):
-                return tr(
+                ),
+                tr("{call}: mean {got}, expected {want}"),
+            ),
+            (
+                var,
+                want_var,
+                everything.var(0, unbiased=True),
+                tr(
                     "{call}: that is the unbiased variance (divided by n - 1). BatchNorm normalises "
                     "with the biased one, divided by n"
-                ).format(call=call)
-            return tr("{call}: variance {got}, expected {want}").format(
-                call=call, got=var.tolist(), want=want_var.tolist()
-            )
+                ),
+                tr("{call}: variance {got}, expected {want}"),
+            ),
+        ):
+            if torch.allclose(got, want, atol=1e-9):
+                continue
+            if torch.allclose(got, mistake, atol=1e-9):
+                return hint.format(call=call)
+            return wrong.format(call=call, got=got.tolist(), want=want.tolist())
     return None
 
 
