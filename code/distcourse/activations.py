@@ -27,6 +27,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
 
 from .common.models import transformer
+from .sharding import local_bytes, zero_bytes
 
 MODES = ("none", "full", "selective")
 
@@ -82,16 +83,10 @@ def measure_block(batch: int, seq: int, hidden: int = 64, heads: int = 4, attent
 def model_state_bytes(model: nn.Module, optimizer: torch.optim.Optimizer) -> dict:
     """Weights, gradients and optimizer state in bytes, counted tensor by tensor after a step."""
 
-    def size(tensors):
-        return sum(t.numel() * t.element_size() for t in tensors)
-
     params = list(model.parameters())
     state = [v for s in optimizer.state.values() for k, v in s.items() if k != "step"]
-    return {
-        "params": size(params),
-        "grads": size(p.grad for p in params if p.grad is not None),
-        "optimizer": size(state),
-    }
+    grads = [p.grad for p in params if p.grad is not None]
+    return {"params": local_bytes(params), "grads": local_bytes(grads), "optimizer": local_bytes(state)}
 
 
 # --------------------------------------------------------------------------------------
@@ -216,8 +211,7 @@ def calculator(
     its input and one block at a time is recomputed in backward.
     """
     params = 12 * layers * hidden * hidden
-    shard = {0: (1, 1, 1), 1: (1, 1, ranks), 2: (1, ranks, ranks), 3: (ranks, ranks, ranks)}[stage]
-    model = params * (pbytes / shard[0] + gbytes / shard[1] + obytes / shard[2])
+    model = sum(zero_bytes(params, ranks, stage, {"params": pbytes, "grads": gbytes, "optimizer": obytes}).values())
     per_layer = block_formula(batch, seq, hidden, heads, "sdpa" if flash else "naive", abytes)
     kept = batch * seq * hidden * abytes
     activations = layers * kept + per_layer if checkpoint else layers * per_layer

@@ -12,6 +12,7 @@ Rank functions live here, not in the notebook, because rank processes import the
 
 from __future__ import annotations
 
+import math
 import time
 
 import torch
@@ -19,6 +20,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
+from . import sharding
 from .common.datasets import digits_batch
 from .common.models import mlp
 from .common.training import global_mean, wrap_ddp
@@ -33,7 +35,7 @@ def format_table() -> dict:
     table = {}
     for name, dtype in FORMATS.items():
         info = torch.finfo(dtype)
-        mantissa = {torch.float32: 23, torch.float16: 10, torch.bfloat16: 7}[dtype]
+        mantissa = round(-math.log2(info.eps))  # eps = 2^-mantissa bits: the step after 1
         table[name] = {
             "bits": info.bits,
             "exponent_bits": info.bits - 1 - mantissa,
@@ -159,19 +161,13 @@ def fsdp_policy(param_dtype: str | None = "bf16", reduce_dtype: str | None = "fp
     gathered parameter while a layer computes, of the layer's output, and of the sharded
     gradient after backward, then trains ``steps`` steps and returns the losses.
     """
-    from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+    from torch.distributed.fsdp import MixedPrecisionPolicy
 
     device = rank_device()
     policy = MixedPrecisionPolicy(
         param_dtype=FORMATS.get(param_dtype), reduce_dtype=FORMATS.get(reduce_dtype)
     )  # None: keep the parameter's own dtype
-    model = mlp(width=256, depth=2, seed=0).to(device)
-    mesh = init_device_mesh(device.type, (dist.get_world_size(),))
-    for layer in model:
-        if isinstance(layer, nn.Linear):
-            fully_shard(layer, mesh=mesh, mp_policy=policy)
-    fully_shard(model, mesh=mesh, mp_policy=policy)
+    model = sharding.shard_model(sharding.make_model().to(device), mp_policy=policy)  # chapter 08's model
     optimizer = torch.optim.SGD(model.parameters(), lr=0.3)
 
     seen = {"sharded parameter": model[0].weight.dtype}

@@ -136,20 +136,22 @@ def memory_report(model: nn.Module, optimizer) -> dict:
     }
 
 
-def shard_model(model: nn.Module) -> nn.Module:
+def shard_model(model: nn.Module, mp_policy=None) -> nn.Module:
     """FSDP2: shard every Linear as its own unit, then the root (which owns what is left).
 
     Per-layer units are what keeps memory low during the forward pass: only the layer
     that is computing is gathered whole, then its full weights are freed again.
+    ``mp_policy``: a ``MixedPrecisionPolicy`` for every unit (chapter 09); None keeps fp32.
     """
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
 
     mesh = init_device_mesh(rank_device().type, (dist.get_world_size(),))
+    policy = {"mp_policy": mp_policy} if mp_policy is not None else {}
     for layer in model:
         if isinstance(layer, nn.Linear):
-            fully_shard(layer, mesh=mesh)
-    fully_shard(model, mesh=mesh)
+            fully_shard(layer, mesh=mesh, **policy)
+    fully_shard(model, mesh=mesh, **policy)
     return model
 
 
