@@ -136,18 +136,20 @@ def memory_report(model: nn.Module, optimizer) -> dict:
     }
 
 
-def shard_model(model: nn.Module, mp_policy=None) -> nn.Module:
+def shard_model(model: nn.Module, mp_policy=None, **options) -> nn.Module:
     """FSDP2: shard every Linear as its own unit, then the root (which owns what is left).
 
     Per-layer units are what keeps memory low during the forward pass: only the layer
     that is computing is gathered whole, then its full weights are freed again.
     ``mp_policy``: a ``MixedPrecisionPolicy`` for every unit (chapter 09); None keeps fp32.
+    ``options`` go to every ``fully_shard`` call (chapter 09: ``reshard_after_forward``,
+    ``offload_policy``).
     """
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
 
     mesh = init_device_mesh(rank_device().type, (dist.get_world_size(),))
-    policy = {"mp_policy": mp_policy} if mp_policy is not None else {}
+    policy = ({"mp_policy": mp_policy} if mp_policy is not None else {}) | options
     for layer in model:
         if isinstance(layer, nn.Linear):
             fully_shard(layer, mesh=mesh, **policy)

@@ -1,13 +1,19 @@
-"""Self-check for the exercise of chapter 09: the activation bytes of one transformer block.
+"""Self-checks for the exercises of chapter 09.
 
-The learner writes ``block_bytes(batch, seq, hidden, heads)``: the bytes one
+Part 1: the learner writes ``block_bytes(batch, seq, hidden, heads)``, the bytes one
 ``common.models.Block`` with naive attention saves for backward in fp32. The check compares
 the answer with what the saved-tensor hooks *measure* on real blocks, not with a formula.
+
+Part 2: the learner writes ``collectives(layers, micro_batches, sync, reshard_after_forward)``,
+the all-gathers and reduce-scatters of one FSDP2 accumulation step. The check runs each case
+on 2 ranks and counts the collectives with ``CommDebugMode``.
 """
 
 from __future__ import annotations
 
 from ..activations import measure_block
+from ..fsdp_practice import measure_collectives
+from ..runtime.launcher import launch
 from ..runtime.i18n import tr
 from . import verdict
 
@@ -43,3 +49,26 @@ def check_block_bytes(block_bytes) -> bool:
                 )
             )
     return verdict(problems, tr("Correct: your formula matches the measured bytes of every block."))
+
+
+# (layers, micro_batches, sync, reshard_after_forward): each runs in a few milliseconds
+COLLECTIVE_CASES = [(3, 1, "every", True), (3, 2, "last", True), (4, 3, "every", False), (2, 2, "last", False)]
+
+
+def check_collectives(collectives) -> bool:
+    """Compare the learner's counts with collectives counted in real 2-rank FSDP2 steps."""
+    cases = [dict(layers=n, micro_batches=m, sync=s, reshard_after_forward=r) for n, m, s, r in COLLECTIVE_CASES]
+    measured = launch(measure_collectives, world_size=2, kwargs={"cases": cases}, quiet=True)[0]
+    problems = []
+    for case, counted in zip(cases, measured, strict=True):
+        call = "collectives({layers}, {micro_batches}, {sync!r}, {reshard_after_forward})".format(**case)
+        try:
+            answer = collectives(**case)
+        except Exception as exc:  # the learner's code: report, do not crash the notebook
+            problems.append(tr("{call} raised {error}").format(call=call, error=repr(exc)))
+            continue
+        if not isinstance(answer, dict):
+            problems.append(tr("{call} returned {answer!r}: return a dict").format(call=call, answer=answer))
+        elif {k: answer.get(k, 0) for k in counted} != counted:
+            problems.append(tr("{call} = {answer}, measured {measured}").format(call=call, answer=answer, measured=counted))
+    return verdict(problems, tr("Correct: your counts match the collectives of every measured step."))

@@ -304,7 +304,8 @@ class _Run:
         """The one cleanup path: every rank, its process group and its descendants."""
         processes.stop_trees([r.process.pid for r in self.ranks if r.process.pid], grace=1.0)
         for rank in self.ranks:
-            rank.process.join(5)
+            if rank.process.pid is not None:  # a rank whose start failed has nothing to join
+                rank.process.join(5)
             _live.discard(rank.process)
             if rank.conn is not None:
                 rank.conn.close()

@@ -1,0 +1,213 @@
+"""FSDP2 in practice, chapter 09 (second part): what a training loop adds to ``fully_shard``.
+
+Rank functions, each on chapter 08's MLP sharded layer by layer (``sharding.shard_model``)
+and each checked against ``reference``, the same computation in one process:
+
+- ``clip``: ``clip_grad_norm_`` on sharded gradients (DTensors) computes the norm of the
+  *whole* gradient, across shards;
+- ``accumulate``: gradient accumulation over micro-batches, with a reduce-scatter after
+  every micro-batch or only after the last (``set_requires_gradient_sync``);
+- ``reshard``: ``reshard_after_forward`` True or False, the collectives of a step and the
+  weights held between forward and backward;
+- ``offload``: ``CPUOffloadPolicy``, and why its default (pinned memory) needs a GPU.
+
+Collectives are counted with ``CommDebugMode``, which sees every collective issued through
+``torch.distributed`` while it is active. Rank functions live here because rank processes
+import them by name.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+
+from . import sharding
+from .common.models import mlp
+from .runtime.hardware import rank_device
+
+LAYERS = 3  # Linear layers in sharding.make_model(): each is one FSDP unit
+
+
+def micro_batch(rank: int, world_size: int, index: int):
+    """Rank ``rank``'s share of micro-batch ``index`` (32 samples each); fixed across runs."""
+    return sharding._batch(rank, world_size, step=index)
+
+
+def count(comm_mode) -> dict:
+    """CommDebugMode's counts under plain names: all-gather, reduce-scatter, all-reduce."""
+    names = {"allgather": "all-gather", "all_gather": "all-gather", "reduce_scatter": "reduce-scatter"}
+    names |= {"allreduce": "all-reduce", "all_reduce": "all-reduce"}
+    out = {}
+    for op, n in comm_mode.get_comm_counts().items():
+        name = next((plain for key, plain in names.items() if key in str(op)), str(op))
+        out[name] = out.get(name, 0) + n
+    return out
+
+
+def _local(t: torch.Tensor) -> torch.Tensor:
+    return t.to_local() if hasattr(t, "to_local") else t
+
+
+def _full(t: torch.Tensor) -> torch.Tensor:
+    return t.full_tensor() if hasattr(t, "full_tensor") else t
+
+
+def reference(world_size: int, micro_batches: int = 1, max_norm: float | None = None) -> dict:
+    """One process: gradients of the mean loss over every rank's samples, optionally clipped."""
+    model = sharding.make_model()
+    for i in range(micro_batches):
+        x = torch.cat([micro_batch(r, world_size, i)[0] for r in range(world_size)])
+        y = torch.cat([micro_batch(r, world_size, i)[1] for r in range(world_size)])
+        (F.cross_entropy(model(x), y) / micro_batches).backward()
+    norm = None
+    if max_norm is not None:
+        norm = nn.utils.clip_grad_norm_(model.parameters(), max_norm).item()
+    return {"norm": norm, "grads": {n: p.grad.clone() for n, p in model.named_parameters()}}
+
+
+def clip(max_norm: float = 0.5) -> dict:
+    """Rank function: one backward, then ``clip_grad_norm_`` on the sharded gradients.
+
+    Each rank holds a shard of every gradient; the norm must be the whole gradient's.
+    ``clip_grad_norm_`` on DTensors computes each shard's sum of squares, all-reduces it,
+    and returns a DTensor; every rank then scales its shard by the same factor.
+    """
+    from torch.distributed.tensor.debug import CommDebugMode
+
+    device = rank_device()
+    model = sharding.shard_model(sharding.make_model().to(device))
+    x, y = micro_batch(dist.get_rank(), dist.get_world_size(), 0)
+    F.cross_entropy(model(x.to(device)), y.to(device)).backward()
+    with CommDebugMode() as comm:
+        norm = nn.utils.clip_grad_norm_(model.parameters(), max_norm)
+    return {
+        "norm type": type(norm).__name__,
+        "norm": _full(norm).item(),
+        "collectives": count(comm),
+        "grads": {n: _full(p.grad).cpu() for n, p in model.named_parameters()},
+    }
+
+
+def accumulate(sync: str = "every", micro_batches: int = 4, layers: int = LAYERS, reshard_after_forward: bool = True) -> dict:
+    """Rank function: accumulate gradients over ``micro_batches``, then compare.
+
+    sync="every": FSDP2's default, a reduce-scatter after each micro-batch; each rank adds
+        the reduced shards, so it only ever holds sharded gradients.
+    sync="last": ``set_requires_gradient_sync(False)`` until the last micro-batch; no
+        reduce-scatter until then, but each rank keeps full-size (unsharded) gradients.
+    sync="last, unsharded": also ``set_reshard_after_backward(False)`` until the last
+        micro-batch, so the weights stay gathered and the next forward needs no all-gather;
+        the full-size gradients are then plain ``p.grad`` tensors one can see.
+    ``layers``: Linear layers of the MLP (each one FSDP unit); 3 is ``sharding.make_model()``.
+    Returns the collectives of each micro-batch, what ``p.grad`` of the first layer was
+    after each, and the full gradients at the end.
+    """
+    from torch.distributed.tensor.debug import CommDebugMode
+
+    modes = ("every", "last", "last, unsharded")
+    if sync not in modes:
+        raise ValueError(f"sync must be one of {modes}, got {sync!r}")
+    device = rank_device()
+    model = mlp(width=256, depth=layers - 1, seed=0).to(device)  # layers=3: sharding.make_model()
+    model = sharding.shard_model(model, reshard_after_forward=reshard_after_forward)
+    rank, world = dist.get_rank(), dist.get_world_size()
+    per_micro_batch, first_grad = [], []
+    for i in range(micro_batches):
+        last = i == micro_batches - 1
+        model.set_requires_gradient_sync(sync == "every" or last)
+        model.set_reshard_after_backward(sync != "last, unsharded" or last)
+        x, y = micro_batch(rank, world, i)
+        with CommDebugMode() as comm:
+            (F.cross_entropy(model(x.to(device)), y.to(device)) / micro_batches).backward()
+        per_micro_batch.append(count(comm))
+        grad = model[0].weight.grad  # None while FSDP2 keeps the accumulated gradient itself
+        first_grad.append(None if grad is None else (type(grad).__name__, tuple(_local(grad).shape)))
+    return {
+        "collectives": per_micro_batch,
+        "first layer grad": first_grad,
+        "grads": {n: _full(p.grad).cpu() for n, p in model.named_parameters()},
+    }
+
+
+def measure_collectives(cases: list[dict]) -> list[dict]:
+    """Rank function: the collectives of one accumulation step for each case, summed.
+
+    Each case holds ``accumulate``'s arguments (``layers``, ``micro_batches``, ``sync``,
+    ``reshard_after_forward``); the result is ``{"all-gather": n, "reduce-scatter": m}``.
+    """
+    totals = []
+    for case in cases:
+        total = {"all-gather": 0, "reduce-scatter": 0}
+        for counts in accumulate(**case)["collectives"]:
+            for name, n in counts.items():
+                total[name] = total.get(name, 0) + n
+        totals.append(total)
+    return totals
+
+
+def reshard(reshard_after_forward: bool = True) -> dict:
+    """Rank function: the collectives of forward and backward, and what is held in between.
+
+    True (the default): after a unit's forward, its gathered weights are freed; backward
+        gathers them again. Fewer bytes held, one more all-gather per unit.
+    False: the gathered weights stay until that unit's backward; no all-gather in backward.
+    Returns collectives per phase and the bytes of weights this rank holds after forward.
+    """
+    from torch.distributed.tensor.debug import CommDebugMode
+
+    device = rank_device()
+    model = sharding.shard_model(sharding.make_model().to(device), reshard_after_forward=reshard_after_forward)
+    x, y = micro_batch(dist.get_rank(), dist.get_world_size(), 0)
+    with CommDebugMode() as forward:
+        loss = F.cross_entropy(model(x.to(device)), y.to(device))
+    linears = [m for m in model if isinstance(m, nn.Linear)]
+    held = sharding.local_bytes(p for m in linears for p in m.parameters())  # a DTensor counts its shard only
+    gathered = sum(not hasattr(m.weight, "to_local") for m in linears)
+    with CommDebugMode() as backward:
+        loss.backward()
+    return {
+        "forward": count(forward),
+        "backward": count(backward),
+        "bytes held after forward": held,
+        "layers still gathered": gathered,
+        "full model bytes": sum(p.numel() * p.element_size() for p in sharding.make_model().parameters()),
+    }
+
+
+def offload(pin_memory: bool = False, steps: int = 3) -> dict:
+    """Rank function: FSDP2 with ``CPUOffloadPolicy``; where the shards live, and the losses.
+
+    The shards, their gradients and the optimizer step stay in CPU memory; each unit's
+    weights are copied to the GPU to compute. Pinned (page-locked) memory lets those copies
+    run asynchronously, but pinning asks the CUDA driver: without a GPU it fails, and
+    the error is returned as text.
+    """
+    from torch.distributed.fsdp import CPUOffloadPolicy
+
+    device = rank_device()
+    try:
+        model = sharding.shard_model(sharding.make_model().to(device), offload_policy=CPUOffloadPolicy(pin_memory=pin_memory))
+    except Exception as error:  # reported, not raised: the chapter shows the message
+        return {"error": f"{type(error).__name__}: {error}"}
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.3)
+    rank, world = dist.get_rank(), dist.get_world_size()
+    losses = []
+    for i in range(steps):
+        x, y = micro_batch(rank, world, i)
+        loss = F.cross_entropy(model(x.to(device)), y.to(device))
+        optimizer.zero_grad()
+        loss.backward()
+        optimizer.step()
+        total = loss.detach().clone()
+        dist.all_reduce(total)
+        losses.append(total.item() / world)
+    weight = model[0].weight
+    return {
+        "error": None,
+        "shard device": str(weight.to_local().device),
+        "grad device": str(weight.grad.to_local().device),
+        "compute device": str(device),
+        "losses": losses,
+    }
