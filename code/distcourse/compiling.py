@@ -99,7 +99,7 @@ def compile_cost(backend: str = "aot_eager", steps: int = 5, layers: int = 2) ->
     compiled_fn = torch.compile(compiled, backend=backend)
     x = _step_inputs()
     result = {}
-    for name, model, fn in (("eager", eager, eager), ("compiled", compiled, compiled_fn)):
+    for name, fn in (("eager", eager), ("compiled", compiled_fn)):
         seconds = []
         for _ in range(steps):
             started = time.perf_counter()

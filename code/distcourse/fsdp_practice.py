@@ -90,7 +90,9 @@ def clip(max_norm: float = 0.5) -> dict:
     }
 
 
-def accumulate(sync: str = "every", micro_batches: int = 4, layers: int = LAYERS, reshard_after_forward: bool = True) -> dict:
+def accumulate(
+    sync: str = "every", micro_batches: int = 4, layers: int = LAYERS, reshard_after_forward: bool = True
+) -> dict:
     """Rank function: accumulate gradients over ``micro_batches``, then compare.
 
     sync="every": FSDP2's default, a reduce-scatter after each micro-batch; each rank adds
@@ -188,7 +190,9 @@ def offload(pin_memory: bool = False, steps: int = 3) -> dict:
 
     device = rank_device()
     try:
-        model = sharding.shard_model(sharding.make_model().to(device), offload_policy=CPUOffloadPolicy(pin_memory=pin_memory))
+        model = sharding.shard_model(
+            sharding.make_model().to(device), offload_policy=CPUOffloadPolicy(pin_memory=pin_memory)
+        )
     except Exception as error:  # reported, not raised: the chapter shows the message
         return {"error": f"{type(error).__name__}: {error}"}
     optimizer = torch.optim.SGD(model.parameters(), lr=0.3)

@@ -13,8 +13,8 @@ from __future__ import annotations
 
 from ..activations import measure_block
 from ..fsdp_practice import measure_collectives
-from ..runtime.launcher import launch
 from ..runtime.i18n import tr
+from ..runtime.launcher import launch
 from . import verdict
 
 # (batch, sequence, hidden, heads): small enough to measure in milliseconds
@@ -70,5 +70,7 @@ def check_collectives(collectives) -> bool:
         if not isinstance(answer, dict):
             problems.append(tr("{call} returned {answer!r}: return a dict").format(call=call, answer=answer))
         elif {k: answer.get(k, 0) for k in counted} != counted:
-            problems.append(tr("{call} = {answer}, measured {measured}").format(call=call, answer=answer, measured=counted))
+            problems.append(
+                tr("{call} = {answer}, measured {measured}").format(call=call, answer=answer, measured=counted)
+            )
     return verdict(problems, tr("Correct: your counts match the collectives of every measured step."))

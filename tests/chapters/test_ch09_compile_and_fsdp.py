@@ -1,0 +1,116 @@
+"""Chapter 09, second part: torch.compile (graphs, breaks, cost, cache, DDP, FSDP2) and FSDP2 options."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import distcourse
+from distcourse import compiling, fsdp_practice
+from distcourse.exercises import ch09
+
+
+def test_a_python_branch_on_a_tensor_breaks_the_graph_and_where_does_not():
+    x = torch.randn(8, 16)
+    branchy = compiling.explain(compiling.Branchy(), x)
+    assert (branchy["graphs"], branchy["breaks"]) == (2, 1) and len(branchy["reasons"]) == 1
+    assert compiling.explain(compiling.Branchless(), x) == {"graphs": 1, "breaks": 0, "reasons": []}
+
+
+def test_branchless_computes_what_branchy_computes():
+    branchy, branchless = compiling.Branchy(), compiling.Branchless()
+    branchless.load_state_dict(branchy.state_dict())
+    for scale in (0.01, 10.0):  # both sides of the branch
+        x = torch.randn(8, 16) * scale
+        assert torch.equal(branchy(x), branchless(x))
+
+
+def test_aot_eager_is_bitwise_eager_and_the_first_call_compiles():
+    cost = compiling.compile_cost("aot_eager", steps=3, layers=1)
+    assert cost["output_gap"] == 0.0 and cost["grad_gap"] == 0.0
+    assert cost["compiled"]["first"] > cost["compiled"]["steady"]
+
+
+def test_unknown_backend_is_refused():
+    with pytest.raises(ValueError, match="backend must be one of"):
+        compiling.compile_cost("tensorrt")
+
+
+@pytest.mark.slow
+def test_inductor_second_compile_hits_the_disk_cache():
+    compiling.inductor_compile()
+    again = compiling.inductor_compile()
+    assert again["cache hits"] == 1 and again["cache misses"] == 0
+    assert again["gap to eager"] < 1e-5
+
+
+@pytest.mark.slow
+def test_compiled_ddp_has_one_graph_per_bucket_and_trains_as_eager():
+    eager = distcourse.launch(compiling.ddp_train, world_size=2, kwargs={"compiled": False}, quiet=True)
+    small = distcourse.launch(compiling.ddp_train, world_size=2, kwargs={"bucket_cap_mb": 1.0}, quiet=True)
+    assert small[0]["losses"] == small[1]["losses"] == eager[0]["losses"]
+    assert small[0]["graphs"] == small[0]["buckets"] == 3
+
+
+@pytest.mark.slow
+def test_per_block_compile_under_fsdp2_trains_as_eager():
+    compiled = distcourse.launch(compiling.fsdp_train, world_size=2, kwargs={"layers": 2, "steps": 2}, quiet=True)
+    eager = distcourse.launch(
+        compiling.fsdp_train, world_size=2, kwargs={"compiled": False, "layers": 2, "steps": 2}, quiet=True
+    )
+    assert compiled[0]["losses"] == eager[0]["losses"]
+    assert 0 < compiled[0]["graphs"] <= 2
+
+
+def test_clipping_sharded_gradients_uses_the_whole_norm():
+    clipped = distcourse.launch(fsdp_practice.clip, world_size=2, kwargs={"max_norm": 0.5}, quiet=True)
+    single = fsdp_practice.reference(world_size=2, max_norm=0.5)
+    for rank in clipped:
+        assert abs(rank["norm"] - single["norm"]) < 1e-5
+        assert rank["collectives"] == {"all-reduce": 1}
+        assert all(torch.allclose(rank["grads"][n], single["grads"][n], atol=1e-6) for n in single["grads"])
+
+
+@pytest.mark.parametrize("sync", ["every", "last", "last, unsharded"])
+def test_accumulation_gives_the_large_batch_gradient(sync):
+    result = distcourse.launch(
+        fsdp_practice.accumulate, world_size=2, kwargs={"sync": sync, "micro_batches": 3}, quiet=True
+    )
+    single = fsdp_practice.reference(world_size=2, micro_batches=3)
+    assert all(torch.allclose(result[0]["grads"][n], single["grads"][n], atol=1e-6) for n in single["grads"])
+    reductions = [c.get("reduce-scatter", 0) for c in result[0]["collectives"]]
+    assert reductions == ([3, 3, 3] if sync == "every" else [0, 0, 3])
+
+
+def test_unknown_sync_mode_is_refused():
+    with pytest.raises(distcourse.RankFailed, match="sync must be one of"):
+        distcourse.launch(fsdp_practice.accumulate, world_size=2, kwargs={"sync": "never"}, quiet=True)
+
+
+def test_reshard_after_forward_trades_an_all_gather_for_held_weights():
+    on = distcourse.launch(fsdp_practice.reshard, world_size=2, kwargs={"reshard_after_forward": True}, quiet=True)[0]
+    off = distcourse.launch(fsdp_practice.reshard, world_size=2, kwargs={"reshard_after_forward": False}, quiet=True)[0]
+    assert on["forward"] == off["forward"] == {"all-gather": 3}
+    assert on["backward"] == {"all-gather": 3, "reduce-scatter": 3} and off["backward"] == {"reduce-scatter": 3}
+    assert off["bytes held after forward"] == 2 * on["bytes held after forward"] == on["full model bytes"]
+
+
+@pytest.mark.skipif(distcourse.gpu_count() > 0, reason="pinning works where a GPU is present")
+def test_cpu_offload_pinned_memory_needs_a_gpu_and_unpinned_trains():
+    pinned = distcourse.launch(fsdp_practice.offload, world_size=2, kwargs={"pin_memory": True}, quiet=True)[0]
+    assert "accelerator" in pinned["error"]
+    unpinned = distcourse.launch(fsdp_practice.offload, world_size=2, kwargs={"pin_memory": False}, quiet=True)[0]
+    assert unpinned["error"] is None and unpinned["shard device"] == "cpu" and len(unpinned["losses"]) == 3
+
+
+def _right(layers, micro_batches, sync, reshard_after_forward):
+    gathers = micro_batches * layers * (2 if reshard_after_forward else 1)
+    return {"all-gather": gathers, "reduce-scatter": layers * (micro_batches if sync == "every" else 1)}
+
+
+def test_collectives_exercise_accepts_the_rule_and_rejects_a_wrong_one(capsys):
+    assert ch09.check_collectives(_right) is True
+    wrong = lambda *args: {**_right(*args), "reduce-scatter": 1}  # noqa: E731
+    assert ch09.check_collectives(wrong) is False
+    assert "measured" in capsys.readouterr().out
+    assert ch09.check_collectives(lambda *args: None) is False
