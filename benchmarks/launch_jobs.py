@@ -48,6 +48,10 @@ if __name__ == "__main__":
         dist.destroy_process_group()
 
 
-def big_result(megabytes: int):
-    """Every rank returns ``megabytes`` MB of float32 filled with its rank (results_bench.py)."""
-    return torch.full((megabytes * 2**20 // 4,), float(dist.get_rank()))
+def big_result(megabytes: int, keep: bool = True):
+    """Every rank returns ``megabytes`` MB of float32 filled with its rank (results_bench.py).
+
+    ``keep=False`` makes the same tensor and returns None: the baseline that costs all but the trip back.
+    """
+    tensor = torch.full((megabytes * 2**20 // 4,), float(dist.get_rank()))
+    return tensor if keep else None

@@ -8,8 +8,10 @@ Every rank returns a tensor of ``--megabytes`` MB (filled with its rank, checked
 * pipe    - ``share_tensors=False``: the tensor is pickled and its bytes copied
   through the rank's pipe, then unpickled.
 
-The launch itself (process start, process group) is the same in both, so the
-ratio of the medians is the cost of moving the result.
+A third job, *baseline*, makes the same tensors and returns None: process start,
+process group and filling the tensor, everything but the trip back. Two ratios are
+reported: of whole launches, and of the cost of the trip back alone (each path's
+median minus the baseline's median, all timed in the same rounds).
 
     .venv/bin/python benchmarks/results_bench.py [--megabytes 200] [--repeats 5]
 
@@ -29,12 +31,22 @@ import distcourse
 OUT_DIR = Path(__file__).resolve().parent.parent / "_build" / "bench"
 
 
-def timed(megabytes: int, world_size: int, share: bool) -> float:
+def timed(megabytes: int, world_size: int, path: str) -> float:
+    keep = path != "baseline"
     start = time.perf_counter()
     results = distcourse.launch(
-        launch_jobs.big_result, world_size, args=(megabytes,), share_tensors=share, quiet=True, timeout=300
+        launch_jobs.big_result,
+        world_size,
+        args=(megabytes, keep),
+        share_tensors=path == "shared",
+        quiet=True,
+        timeout=300,
     )
     seconds = time.perf_counter() - start
+    if not keep:
+        if any(r is not None for r in results):
+            raise SystemExit("results_bench: the baseline returned something")
+        return seconds
     for rank, tensor in enumerate(results):
         if tensor.numel() != megabytes * 2**20 // 4 or tensor.min() != rank or tensor.max() != rank:
             raise SystemExit(f"results_bench: rank {rank} returned a wrong tensor; its timing would mean nothing")
@@ -51,16 +63,19 @@ def main() -> None:
         parser.error("--megabytes, --repeats and --world-size must be at least 1")
 
     distcourse.launch(launch_jobs.big_result, 1, args=(1,), quiet=True)  # starts the fork server, untimed
-    times = {"shared": [], "pipe": []}
+    times = {"shared": [], "pipe": [], "baseline": []}
     for i in range(opts.repeats):
-        for name in ("shared", "pipe") if i % 2 == 0 else ("pipe", "shared"):  # alternate the order
-            times[name].append(timed(opts.megabytes, opts.world_size, share=name == "shared"))
+        order = ("shared", "pipe", "baseline")
+        for name in order[i % 3 :] + order[: i % 3]:  # rotate the order from round to round
+            times[name].append(timed(opts.megabytes, opts.world_size, name))
         print(
-            f"round {i + 1}/{opts.repeats}: shared {times['shared'][-1]:.2f} s, pipe {times['pipe'][-1]:.2f} s",
+            f"round {i + 1}/{opts.repeats}: " + ", ".join(f"{name} {t[-1]:.2f} s" for name, t in times.items()),
             flush=True,
         )
     medians = {name: statistics.median(t) for name, t in times.items()}
     ratio = medians["pipe"] / medians["shared"]
+    trip = {name: max(medians[name] - medians["baseline"], 1e-9) for name in ("shared", "pipe")}
+    trip_ratio = trip["pipe"] / trip["shared"]
     print(
         f"\n{opts.world_size} ranks x {opts.megabytes} MB returned, {opts.repeats} runs each, "
         f"{distcourse.cpu_cores()} cores"
@@ -69,6 +84,10 @@ def main() -> None:
     for name, t in times.items():
         print(f"{name:<8} {medians[name]:>9.3f} {min(t):>7.3f} {max(t):>7.3f}")
     print(f"\nshared memory is {ratio:.1f}x faster than the pipe (whole launch, medians)")
+    print(
+        f"the trip back alone (median minus baseline): shared {trip['shared']:.3f} s, "
+        f"pipe {trip['pipe']:.3f} s, {trip_ratio:.1f}x"
+    )
     OUT_DIR.mkdir(parents=True, exist_ok=True)
     report = {
         "megabytes_per_rank": opts.megabytes,
@@ -78,6 +97,8 @@ def main() -> None:
         "times_s": times,
         "median_s": medians,
         "pipe_over_shared": ratio,
+        "trip_back_s": trip,
+        "trip_back_pipe_over_shared": trip_ratio,
     }
     (OUT_DIR / "results.json").write_text(json.dumps(report, indent=2) + "\n")
     print(f"wrote {OUT_DIR}/results.json")
