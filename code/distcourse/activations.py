@@ -36,20 +36,37 @@ def saved_bytes(fn, parameters=()) -> tuple[int, object]:
     """Run ``fn()`` and return (bytes autograd saved for backward, fn's result).
 
     Parameters are left out (they exist anyway); so is anything saved twice: the bytes
-    are those of the distinct memory blocks behind the saved tensors.
+    are those of the distinct memory blocks behind the saved tensors. For a DTensor, the
+    block behind this rank's local part.
     """
-    mine = {p.untyped_storage().data_ptr() for p in parameters}
+    mine = {ptr for p in parameters for ptr, _ in _storages(p)}
     blocks = {}
 
     def pack(t):
-        storage = t.untyped_storage()
-        if storage.data_ptr() not in mine:
-            blocks[storage.data_ptr()] = storage.nbytes()
+        for ptr, nbytes in _storages(t):
+            if ptr not in mine:
+                blocks[ptr] = nbytes
         return t
 
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
         result = fn()
     return sum(blocks.values()), result
+
+
+def _storages(t: torch.Tensor):
+    """(data pointer, bytes) of the memory behind ``t``.
+
+    A tensor subclass that wraps others (a DTensor, chapter 10: the shard this rank keeps;
+    the pending result of a functional collective) owns no memory itself: its inner tensors do.
+    """
+    from torch.utils._python_dispatch import is_traceable_wrapper_subclass
+
+    if is_traceable_wrapper_subclass(t):
+        names, _ = t.__tensor_flatten__()
+        inner = (getattr(t, name) for name in names)
+        return [block for x in inner if isinstance(x, torch.Tensor) for block in _storages(x)]
+    storage = t.untyped_storage()
+    return [(storage.data_ptr(), storage.nbytes())]
 
 
 def block_formula(batch: int, seq: int, hidden: int, heads: int, attention: str = "naive", bytes_: int = 4) -> int:

@@ -91,3 +91,85 @@ def transformer(
         if seed is not None:
             torch.manual_seed(seed)
         return nn.Sequential(*(Block(hidden, heads, attention) for _ in range(layers)))
+
+
+# --------------------------------------------------------------------------------------
+# A small GPT: the layout that tensor parallelism splits (chapters 10 and 12)
+# --------------------------------------------------------------------------------------
+
+
+class Attention(nn.Module):
+    """Causal self-attention with separate query, key, value and output projections.
+
+    Separate ``wq``, ``wk``, ``wv`` (not one fused ``qkv``) because tensor parallelism splits
+    them by output rows: with a fused weight, rank 0's half would hold all queries and half
+    the keys. The number of heads is read from the weights (``-1`` in ``view``), so the same
+    code runs whole, or on a rank that holds ``heads / tp`` of them.
+    """
+
+    def __init__(self, hidden: int, heads: int):
+        super().__init__()
+        if hidden % heads:
+            raise ValueError(f"hidden={hidden} must be a multiple of heads={heads}")
+        self.head_dim = hidden // heads
+        self.wq, self.wk, self.wv = (nn.Linear(hidden, hidden, bias=False) for _ in range(3))
+        self.wo = nn.Linear(hidden, hidden, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b, s, _ = x.shape
+        q, k, v = (w(x).view(b, s, -1, self.head_dim).transpose(1, 2) for w in (self.wq, self.wk, self.wv))
+        y = nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True)
+        return self.wo(y.transpose(1, 2).reshape(b, s, -1))
+
+
+class FeedForward(nn.Module):
+    """The 4x-wide GELU MLP of a transformer block: ``w2(gelu(w1(x)))``."""
+
+    def __init__(self, hidden: int):
+        super().__init__()
+        self.w1, self.w2 = nn.Linear(hidden, 4 * hidden, bias=False), nn.Linear(4 * hidden, hidden, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.w2(nn.functional.gelu(self.w1(x)))
+
+
+class GPTBlock(nn.Module):
+    """Pre-LayerNorm block: ``x + attention(norm(x))``, then ``x + feed_forward(norm(x))``."""
+
+    def __init__(self, hidden: int, heads: int):
+        super().__init__()
+        self.attention_norm, self.attention = nn.LayerNorm(hidden), Attention(hidden, heads)
+        self.ffn_norm, self.feed_forward = nn.LayerNorm(hidden), FeedForward(hidden)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = x + self.attention(self.attention_norm(x))
+        return x + self.feed_forward(self.ffn_norm(x))
+
+
+class GPT(nn.Module):
+    """Token embedding, ``layers`` blocks, a final norm and an output projection to the vocabulary.
+
+    No position embedding: with a causal mask a decoder can infer positions by itself
+    (Haviv et al. 2022, "Transformer language models without positional encodings still
+    learn positional information"), and it keeps every tensor splittable along the sequence.
+    """
+
+    def __init__(self, vocab: int = 256, hidden: int = 64, heads: int = 4, layers: int = 2):
+        super().__init__()
+        self.tok_embeddings = nn.Embedding(vocab, hidden)
+        self.layers = nn.ModuleList(GPTBlock(hidden, heads) for _ in range(layers))
+        self.norm, self.output = nn.LayerNorm(hidden), nn.Linear(hidden, vocab, bias=False)
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        x = self.tok_embeddings(tokens)
+        for layer in self.layers:
+            x = layer(x)
+        return self.output(self.norm(x))
+
+
+def gpt(seed: int | None = 0, **sizes) -> GPT:
+    """A ``GPT`` whose weights depend only on ``seed`` (see ``mlp``); ``sizes`` go to ``GPT``."""
+    with torch.random.fork_rng(devices=[], enabled=seed is not None):
+        if seed is not None:
+            torch.manual_seed(seed)
+        return GPT(**sizes)

@@ -1,0 +1,352 @@
+"""Tensor parallelism in chapter 10: DTensor, Megatron-style layers by hand, then ``parallelize_module``.
+
+1. ``redistribute_costs`` (rank function): a tensor's placements on a mesh, ``Shard``,
+   ``Replicate`` and ``Partial``, and the collective that each ``redistribute`` issues,
+   counted with ``CommDebugMode`` and checked against ``REDISTRIBUTE_COLLECTIVE``;
+2. ``megatron_by_hand`` (rank function): a column-parallel then a row-parallel linear layer
+   written with plain ``dist.all_reduce``: one all-reduce in forward, one in backward,
+   outputs and gradients checked against the unsharded layers;
+3. ``tp_plan`` and ``tp_train`` (rank function): the same idea for a whole GPT through
+   ``parallelize_module``, optionally with sequence parallelism and loss parallelism,
+   trained a few AdamW steps and compared with ``reference_train`` in one process.
+
+Rank functions live here, not in the notebook, because rank processes import them by name.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+
+from .activations import saved_bytes
+from .common.models import gpt
+from .runtime.hardware import rank_device
+
+# What each change of placement costs: the collective DTensor issues (gloo has no all-to-all,
+# so Shard(0) -> Shard(1) becomes an all-gather followed by a local chunk).
+REDISTRIBUTE_COLLECTIVE = {
+    ("Shard(0)", "Replicate()"): "all-gather",
+    ("Partial()", "Replicate()"): "all-reduce",
+    ("Partial()", "Shard(0)"): "reduce-scatter",
+    ("Replicate()", "Shard(0)"): None,  # every rank already has the data: it keeps its chunk
+    ("Shard(0)", "Shard(1)"): "all-to-all",
+}
+SIZES = {"vocab": 256, "hidden": 64, "heads": 4, "layers": 2}
+
+
+def count(comm_mode) -> dict:
+    """CommDebugMode's counts under plain names (functional and c10d collectives alike)."""
+    plain = {"all_gather": "all-gather", "allgather": "all-gather", "reduce_scatter": "reduce-scatter"}
+    plain |= {
+        "all_reduce": "all-reduce",
+        "allreduce": "all-reduce",
+        "all_to_all": "all-to-all",
+        "alltoall": "all-to-all",
+    }
+    out = {}
+    for op, n in comm_mode.get_comm_counts().items():
+        name = next((p for key, p in plain.items() if key in str(op)), str(op))
+        out[name] = out.get(name, 0) + n
+    return out
+
+
+def _mesh(shape=None, names=None):
+    from torch.distributed.device_mesh import init_device_mesh
+
+    return init_device_mesh(rank_device().type, shape or (dist.get_world_size(),), mesh_dim_names=names)
+
+
+# --------------------------------------------------------------------------------------
+# 1. DTensor placements and what redistributing costs
+# --------------------------------------------------------------------------------------
+
+
+def _placement(name: str):
+    from torch.distributed.tensor import Partial, Replicate, Shard
+
+    return {"Shard(0)": Shard(0), "Shard(1)": Shard(1), "Replicate()": Replicate(), "Partial()": Partial()}[name]
+
+
+def redistribute_costs(pairs: list | None = None, rows: int = 4, cols: int = 6) -> list[dict]:
+    """Rank function: each change of placement in ``pairs`` (default: ``REDISTRIBUTE_COLLECTIVE``), counted.
+
+    A ``Partial()`` tensor is made from local pieces that *sum* to the full tensor (each rank
+    holds full / world_size), as a row-parallel layer's outputs do before their all-reduce.
+    """
+    from torch.distributed.tensor import DTensor, distribute_tensor
+    from torch.distributed.tensor.debug import CommDebugMode
+
+    mesh, world = _mesh(), dist.get_world_size()
+    device = rank_device()
+    full = torch.arange(rows * cols, dtype=torch.float32, device=device).reshape(rows, cols)
+    report = []
+    for source, target in pairs or REDISTRIBUTE_COLLECTIVE:
+        expected = REDISTRIBUTE_COLLECTIVE.get((source, target))
+        if source == "Partial()":
+            tensor = DTensor.from_local(full / world, mesh, [_placement(source)], run_check=False)
+        else:
+            tensor = distribute_tensor(full, mesh, [_placement(source)])
+        with CommDebugMode() as comm:
+            moved = tensor.redistribute(mesh, [_placement(target)])
+        report.append(
+            {
+                "from": source,
+                "to": target,
+                "collectives": count(comm),
+                "expected": expected,
+                "local shape before": tuple(tensor.to_local().shape),
+                "local shape after": tuple(moved.to_local().shape),
+                "same values": torch.equal(moved.full_tensor(), full),
+            }
+        )
+    return report
+
+
+# --------------------------------------------------------------------------------------
+# 2. Megatron-style tensor parallelism by hand
+# --------------------------------------------------------------------------------------
+
+
+class _CopyToParallel(torch.autograd.Function):
+    """Megatron's f: identity forward; backward sums the input gradient over the ranks."""
+
+    @staticmethod
+    def forward(ctx, x):
+        return x
+
+    @staticmethod
+    def backward(ctx, grad):
+        grad = grad.clone()
+        dist.all_reduce(grad)  # each rank has the gradient of its half of the hidden units
+        return grad
+
+
+class _ReduceFromParallel(torch.autograd.Function):
+    """Megatron's g: forward sums the partial outputs over the ranks; identity backward."""
+
+    @staticmethod
+    def forward(ctx, x):
+        x = x.clone()
+        dist.all_reduce(x)
+        return x
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad
+
+
+def megatron_mlp(x, w1_rows, w2_cols):
+    """y = gelu(x W1ᵀ) W2ᵀ with W1 split by output rows and W2 by input columns.
+
+    Each rank computes its slice of the hidden units from the whole input (no
+    communication: ``gelu`` is element-wise), multiplies by its columns of W2, and the
+    partial outputs are summed: one all-reduce in forward, one (in f) in backward.
+    """
+    x = _CopyToParallel.apply(x)
+    return _ReduceFromParallel.apply(F.gelu(x @ w1_rows.T) @ w2_cols.T)
+
+
+def megatron_by_hand(hidden: int = 64, tokens: int = 32) -> dict:
+    """Rank function: the two-layer MLP, split by hand over the ranks, against the whole one.
+
+    Returns collectives per phase, the largest gaps of output, input gradient and this
+    rank's weight gradients to the unsharded computation, and the local weight shapes.
+    """
+    from torch.distributed.tensor.debug import CommDebugMode
+
+    rank, world = dist.get_rank(), dist.get_world_size()
+    generator = torch.Generator().manual_seed(0)  # the same full weights and input on every rank
+    w1 = torch.randn(4 * hidden, hidden, generator=generator) / hidden**0.5
+    w2 = torch.randn(hidden, 4 * hidden, generator=generator) / (4 * hidden) ** 0.5
+    x = torch.randn(tokens, hidden, generator=generator)
+    part = slice(rank * 4 * hidden // world, (rank + 1) * 4 * hidden // world)
+    w1_rows = w1[part].clone().requires_grad_()  # column-parallel: output features split
+    w2_cols = w2[:, part].clone().requires_grad_()  # row-parallel: input features split
+    x_local = x.clone().requires_grad_()
+    with CommDebugMode() as forward:
+        y = megatron_mlp(x_local, w1_rows, w2_cols)
+    with CommDebugMode() as backward:
+        y.square().sum().backward()
+    # the reference: the whole MLP in this process
+    w1_full, w2_full, x_full = (t.clone().requires_grad_() for t in (w1, w2, x))
+    y_full = F.gelu(x_full @ w1_full.T) @ w2_full.T
+    y_full.square().sum().backward()
+    return {
+        "forward": count(forward),
+        "backward": count(backward),
+        "output gap": (y - y_full).abs().max().item(),
+        "input grad gap": (x_local.grad - x_full.grad).abs().max().item(),
+        "weight grad gap": max(
+            (w1_rows.grad - w1_full.grad[part]).abs().max().item(),
+            (w2_cols.grad - w2_full.grad[:, part]).abs().max().item(),
+        ),
+        "w1 local": tuple(w1_rows.shape),
+        "w2 local": tuple(w2_cols.shape),
+    }
+
+
+# --------------------------------------------------------------------------------------
+# 3. parallelize_module: a whole GPT, with sequence and loss parallelism
+# --------------------------------------------------------------------------------------
+
+
+def tp_plan(model: nn.Module, sequence_parallel: bool = False, loss_parallel: bool = False) -> dict:
+    """The ``parallelize_module`` plan for ``common.models.GPT`` (the layout torchtitan uses).
+
+    Per block: wq, wk, wv and w1 column-parallel, wo and w2 row-parallel. With sequence
+    parallelism the activations between those regions are split along the sequence
+    (``Shard(1)``), the norms run on their share of tokens, and each region starts with an
+    all-gather and ends with a reduce-scatter instead of an all-reduce. With loss parallelism
+    the logits stay split over the vocabulary and ``loss_parallel()`` computes cross-entropy
+    on them without gathering.
+    """
+    from torch.distributed.tensor import Replicate, Shard
+    from torch.distributed.tensor.parallel import (
+        ColwiseParallel,
+        PrepareModuleInput,
+        RowwiseParallel,
+        SequenceParallel,
+    )
+
+    between = Shard(1) if sequence_parallel else Replicate()  # the layout between TP regions
+    plan = {
+        "tok_embeddings": RowwiseParallel(input_layouts=Replicate(), output_layouts=between),
+        "output": ColwiseParallel(
+            input_layouts=between,
+            output_layouts=Shard(-1) if loss_parallel else Replicate(),
+            use_local_output=not loss_parallel,
+        ),
+    }
+    if sequence_parallel:
+        plan["norm"] = SequenceParallel()
+    for i in range(len(model.layers)):
+        block = f"layers.{i}"
+        plan |= {
+            # one gather of the block's input for wq, wk and wv together, not one each
+            f"{block}.attention": PrepareModuleInput(input_layouts=(between,), desired_input_layouts=(Replicate(),)),
+            f"{block}.attention.wq": ColwiseParallel(),
+            f"{block}.attention.wk": ColwiseParallel(),
+            f"{block}.attention.wv": ColwiseParallel(),
+            f"{block}.attention.wo": RowwiseParallel(output_layouts=between),
+            f"{block}.feed_forward": PrepareModuleInput(input_layouts=(between,), desired_input_layouts=(Replicate(),)),
+            f"{block}.feed_forward.w1": ColwiseParallel(),
+            f"{block}.feed_forward.w2": RowwiseParallel(output_layouts=between),
+        }
+        if sequence_parallel:
+            plan |= {f"{block}.attention_norm": SequenceParallel(), f"{block}.ffn_norm": SequenceParallel()}
+    return plan
+
+
+def tokens(step: int, batch: int = 4, seq: int = 32, vocab: int = SIZES["vocab"]):
+    generator = torch.Generator().manual_seed(700 + step)
+    tokens = torch.randint(0, vocab, (batch, seq + 1), generator=generator)
+    return tokens[:, :-1], tokens[:, 1:]  # predict each next token
+
+
+def _loss(logits, targets):
+    return F.cross_entropy(logits.flatten(0, 1), targets.flatten())
+
+
+def activation_bytes_one_process() -> int:
+    """Activation bytes the whole GPT keeps for backward in one process, for the first batch."""
+    model = gpt(**SIZES)
+    return saved_bytes(lambda: model(tokens(0)[0]), list(model.parameters()))[0]
+
+
+def reference_train(steps: int = 3) -> dict:
+    """One process: the GPT trained ``steps`` AdamW steps on the same tokens as ``tp_train``."""
+    model = gpt(**SIZES)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    losses = []
+    for step in range(steps):
+        inputs, targets = tokens(step)
+        loss = _loss(model(inputs), targets)
+        optimizer.zero_grad()
+        loss.backward()
+        optimizer.step()
+        losses.append(loss.item())
+    return {"losses": losses, "params": {n: p.detach().clone() for n, p in model.named_parameters()}}
+
+
+def tp_train(sequence_parallel: bool = False, loss_parallel: bool = False, steps: int = 3) -> dict:
+    """Rank function: the GPT with every layer split over all ranks, trained as ``reference_train``.
+
+    Every rank sees the same tokens (tensor parallelism splits the model, not the batch).
+    Returns the losses, the full parameters at the end (gathered from their shards), the
+    collectives of the first step's forward and backward, and the activation bytes this
+    rank keeps for backward (saved-tensor hooks, chapter 09).
+    """
+    from torch.distributed.tensor.debug import CommDebugMode
+    from torch.distributed.tensor.parallel import loss_parallel as loss_parallel_context
+    from torch.distributed.tensor.parallel import parallelize_module
+
+    device = rank_device()
+    model = gpt(**SIZES).to(device)
+    parallelize_module(model, _mesh(), tp_plan(model, sequence_parallel, loss_parallel))
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    losses, comms, kept = [], {}, None
+    for step in range(steps):
+        inputs, targets = (t.to(device) for t in tokens(step))
+        with CommDebugMode() as forward:
+            if step == 0:
+                kept, logits = saved_bytes(lambda: model(inputs), list(model.parameters()))
+            else:
+                logits = model(inputs)
+            with loss_parallel_context() if loss_parallel else _nothing():
+                loss = _loss(logits, targets)
+        with CommDebugMode() as backward, loss_parallel_context() if loss_parallel else _nothing():
+            optimizer.zero_grad()
+            loss.backward()
+        optimizer.step()
+        if step == 0:
+            comms = {"forward": count(forward), "backward": count(backward)}
+        losses.append(loss.full_tensor().item() if hasattr(loss, "full_tensor") else loss.item())
+    params = {
+        n: (p.full_tensor() if hasattr(p, "full_tensor") else p).detach().cpu() for n, p in model.named_parameters()
+    }
+    return {"losses": losses, "params": params, "collectives": comms, "activation bytes": kept}
+
+
+class _nothing:
+    def __enter__(self):
+        return None
+
+    def __exit__(self, *exc):
+        return False
+
+
+# --------------------------------------------------------------------------------------
+# 4. Context parallelism (GPUs only)
+# --------------------------------------------------------------------------------------
+
+
+def context_parallel_attention(seq: int = 4096, heads: int = 8, head_dim: int = 64) -> dict:
+    """Rank function, GPUs only: causal attention with the sequence split over the ranks.
+
+    ``context_parallel`` shards q, k and v along the sequence (in place, restored on exit)
+    and runs ring attention: each rank keeps its queries and passes key/value blocks around
+    the ring. Compared with full attention computed on every rank. There is no CPU version:
+    its sharding rules exist only for the CUDA flash and memory-efficient attention kernels.
+    """
+    from torch.distributed.tensor.experimental import context_parallel
+    from torch.distributed.tensor.experimental._attention import context_parallel_unshard
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    device = rank_device()
+    if device.type != "cuda":
+        raise RuntimeError("context parallelism needs CUDA attention kernels; this rank runs on the CPU")
+    mesh = _mesh()
+    generator = torch.Generator(device=device).manual_seed(0)  # the same q, k, v on every rank
+    q, k, v = (
+        torch.randn(2, heads, seq, head_dim, device=device, dtype=torch.bfloat16, generator=generator) for _ in range(3)
+    )
+    with sdpa_kernel([SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION]):
+        full = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        cq, ck, cv = (t.clone() for t in (q, k, v))
+        with context_parallel(mesh, buffers=[cq, ck, cv], buffer_seq_dims=[2, 2, 2]):
+            local = cq.shape[2]
+            out = F.scaled_dot_product_attention(cq, ck, cv, is_causal=True)
+            (out,) = context_parallel_unshard(mesh, [out], [2])
+    return {"sequence": seq, "local sequence": local, "gap": (out.float() - full.float()).abs().max().item()}

@@ -1,0 +1,127 @@
+"""Chapter 10: DTensor redistributions, Megatron TP by hand, parallelize_module with SP and loss
+parallel, 2-D meshes (TP + FSDP2, HSDP) with their traffic, the volume formulas and the decision rule."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import distcourse
+from distcourse import meshes
+from distcourse import tensor_parallel as tp
+from distcourse.common.models import GPT, gpt
+from distcourse.exercises import ch10
+
+
+def test_redistributions_issue_the_expected_collective_and_keep_the_values():
+    for row in distcourse.launch(tp.redistribute_costs, world_size=2, quiet=True)[0]:
+        assert row["same values"]
+        issued = next(iter(row["collectives"]), None)
+        assert issued == ("all-gather" if row["expected"] == "all-to-all" else row["expected"]), row  # gloo
+
+
+def test_megatron_by_hand_is_the_unsplit_mlp_with_one_all_reduce_each_way():
+    r = distcourse.launch(tp.megatron_by_hand, world_size=2, quiet=True)[0]
+    assert r["forward"] == r["backward"] == {"all-reduce": 1}
+    assert max(r["output gap"], r["input grad gap"], r["weight grad gap"]) < 1e-5
+
+
+def test_gpt_heads_follow_the_weights():
+    model = gpt(hidden=32, heads=4, layers=1, vocab=50)
+    assert model(torch.randint(0, 50, (2, 8))).shape == (2, 8, 50)
+    with pytest.raises(ValueError, match="multiple of heads"):
+        GPT(hidden=30, heads=4)
+
+
+@pytest.mark.parametrize("sequence_parallel, loss_parallel", [(False, False), (True, True)])
+def test_tensor_parallel_gpt_trains_like_one_process(sequence_parallel, loss_parallel):
+    single = tp.reference_train(steps=2)
+    r = distcourse.launch(
+        tp.tp_train,
+        world_size=2,
+        kwargs={"sequence_parallel": sequence_parallel, "loss_parallel": loss_parallel, "steps": 2},
+        quiet=True,
+    )[0]
+    assert max(abs(a - b) for a, b in zip(r["losses"], single["losses"], strict=True)) < 1e-5
+    assert max((r["params"][n] - single["params"][n]).abs().max().item() for n in single["params"]) < 1e-3
+    forward = r["collectives"]["forward"]
+    if sequence_parallel:  # reduce-scatters instead of all-reduces; loss parallel adds its 3 small ones
+        assert forward.get("all-reduce", 0) == (3 if loss_parallel else 0) and forward["reduce-scatter"] == 5
+    else:
+        assert forward["all-reduce"] == 5
+    assert r["activation bytes"] < tp.activation_bytes_one_process()
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("layout", meshes.LAYOUTS)
+def test_two_dimensional_layouts_train_like_one_process(layout):
+    reference = meshes.reference(steps=2)
+    r = distcourse.launch(meshes.mesh_train, world_size=4, kwargs={"layout": layout, "steps": 2}, quiet=True)[0]
+    assert max(abs(a - b) for a, b in zip(r["losses"], reference["losses"], strict=True)) < 1e-5
+    assert max((r["params"][n] - reference["params"][n]).abs().max().item() for n in reference["params"]) < 1e-3
+    dims = {dim for dim, _ in r["traffic"]}
+    assert dims == {"fsdp": {"dp"}, "tp+fsdp": {"dp", "tp"}, "hsdp": {"replicate", "shard"}}[layout]
+
+
+def test_a_layout_needs_an_even_number_of_ranks():
+    with pytest.raises(distcourse.RankFailed, match="even number of ranks"):
+        distcourse.launch(meshes.mesh_train, world_size=3, kwargs={"layout": "hsdp"}, quiet=True, timeout=120)
+
+
+def test_unknown_layout_is_refused():
+    with pytest.raises(ValueError, match="layout must be one of"):
+        meshes.volume("zero4", params=1, layers=1, hidden=1, tokens=1, gpus_per_node=1, nodes=1)
+
+
+def test_volume_formulas():
+    shape = dict(params=1000, layers=2, hidden=8, tokens=16, pbytes=1, abytes=1)
+    assert meshes.volume("ddp", **shape, gpus_per_node=4, nodes=1) == {"inside": 2 * 3 / 4 * 1000, "between": 0.0}
+    assert meshes.volume("fsdp", **shape, gpus_per_node=2, nodes=2) == {"inside": 0.0, "between": 3 * 3 / 4 * 1000}
+    assert meshes.volume("hsdp", **shape, gpus_per_node=2, nodes=2) == {"inside": 1500.0, "between": 500.0}
+    assert meshes.volume("tp+fsdp", **shape, gpus_per_node=2, nodes=2) == {
+        "inside": 8 * 2 * 0.5 * 16 * 8,
+        "between": 750.0,
+    }
+
+
+def test_decision_rule_follows_memory_and_traffic():
+    def pick(params, layers, hidden, heads, nodes):
+        return meshes.choose(
+            params=params,
+            layers=layers,
+            hidden=hidden,
+            heads=heads,
+            seq=4096,
+            batch=1,
+            gpu_memory=80e9,
+            gpus_per_node=8,
+            nodes=nodes,
+        )["layout"]
+
+    assert pick(1.3e9, 24, 2048, 16, 1) == "ddp"
+    assert pick(6.7e9, 32, 4096, 32, 1) == "fsdp"
+    assert pick(6.7e9, 32, 4096, 32, 4) == "hsdp"
+    assert pick(70e9, 80, 8192, 64, 16) == "tp+fsdp"
+    assert pick(70e9, 80, 8192, 64, 1) == "tp+fsdp+pipeline"
+
+
+def test_context_parallel_refuses_the_cpu():
+    if distcourse.gpu_count() >= 2:
+        pytest.skip("on GPUs the cell runs for real")
+    with pytest.raises(distcourse.RankFailed, match="needs CUDA attention kernels"):
+        distcourse.launch(tp.context_parallel_attention, world_size=2, quiet=True)
+
+
+def _right(source, target):
+    if source == target or source == "Replicate()":
+        return None
+    if source == "Partial()":
+        return "all-reduce" if target == "Replicate()" else "reduce-scatter"
+    return "all-gather" if target == "Replicate()" else "all-to-all"
+
+
+def test_exercise_accepts_the_solution_and_names_a_wrong_answer(capsys):
+    assert ch10.check_collective_for(_right) is True
+    assert ch10.check_collective_for(lambda s, t: "all-reduce") is False
+    assert "DTensor issued" in capsys.readouterr().out
+    assert ch10.check_collective_for(lambda s, t: "broadcast") is False
