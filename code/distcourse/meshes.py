@@ -14,6 +14,8 @@ Rank functions live here, not in the notebook, because rank processes import the
 
 from __future__ import annotations
 
+from contextlib import nullcontext
+
 import torch
 import torch.distributed as dist
 from torch.utils._python_dispatch import TorchDispatchMode
@@ -136,7 +138,7 @@ def mesh_train(layout: str = "tp+fsdp", steps: int = 3) -> dict:
     for step in range(steps):
         inputs, targets = (t[part].to(device) for t in tokens(step, batch=GLOBAL_BATCH))
         recorder = CommVolume()
-        with recorder if step == 0 else _nothing():
+        with recorder if step == 0 else nullcontext():
             loss = _loss(model(inputs), targets)
             optimizer.zero_grad()
             loss.backward()
@@ -168,14 +170,6 @@ def reference(steps: int = 3) -> dict:
         optimizer.step()
         losses.append(loss.item())
     return {"losses": losses, "params": {n: p.detach().clone() for n, p in model.named_parameters()}}
-
-
-class _nothing:
-    def __enter__(self):
-        return None
-
-    def __exit__(self, *exc):
-        return False
 
 
 # --------------------------------------------------------------------------------------

@@ -15,6 +15,8 @@ Rank functions live here, not in the notebook, because rank processes import the
 
 from __future__ import annotations
 
+from contextlib import nullcontext
+
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
@@ -294,9 +296,9 @@ def tp_train(sequence_parallel: bool = False, loss_parallel: bool = False, steps
                 kept, logits = saved_bytes(lambda: model(inputs), list(model.parameters()))
             else:
                 logits = model(inputs)
-            with loss_parallel_context() if loss_parallel else _nothing():
+            with loss_parallel_context() if loss_parallel else nullcontext():
                 loss = _loss(logits, targets)
-        with CommDebugMode() as backward, loss_parallel_context() if loss_parallel else _nothing():
+        with CommDebugMode() as backward, loss_parallel_context() if loss_parallel else nullcontext():
             optimizer.zero_grad()
             loss.backward()
         optimizer.step()
@@ -307,14 +309,6 @@ def tp_train(sequence_parallel: bool = False, loss_parallel: bool = False, steps
         n: (p.full_tensor() if hasattr(p, "full_tensor") else p).detach().cpu() for n, p in model.named_parameters()
     }
     return {"losses": losses, "params": params, "collectives": comms, "activation bytes": kept}
-
-
-class _nothing:
-    def __enter__(self):
-        return None
-
-    def __exit__(self, *exc):
-        return False
 
 
 # --------------------------------------------------------------------------------------
