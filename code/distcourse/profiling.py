@@ -1,0 +1,155 @@
+"""Slow ranks and profiling, chapter 11 (second part).
+
+- ``straggler_times`` (rank function): every rank measures, per step, the time it spends
+  loading its batch, computing, and waiting in the gradient all-reduce; one rank, unknown to
+  the reader, is slower. ``find_straggler`` finds it from the gathered numbers alone;
+- ``profile_ddp`` (rank function): ``torch.profiler`` around DDP steps; the backward
+  operations on the main thread and the all-reduces on gloo's threads, as intervals, their
+  overlap, and a trace file for Perfetto or ``chrome://tracing``.
+
+Rank functions live here, not in the notebook, because rank processes import them by name.
+"""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+from .common.models import mlp
+from .common.training import wrap_ddp
+from .runtime.hardware import rank_device
+
+PHASES = ("data", "compute", "all-reduce")
+
+
+def straggler_times(slow_rank: int = 1, extra: float = 0.02, steps: int = 6) -> dict:
+    """Rank function: seconds per phase and step on this rank; ``slow_rank`` loads data ``extra`` s slower.
+
+    The gradients are averaged by an explicit all-reduce after ``backward`` (``no_sync``
+    keeps DDP's own out of the way), so that computing and waiting are timed apart. A rank
+    that arrives late at the all-reduce waits least; the others wait for it.
+    Returns {phase: [seconds per step]} of every rank, gathered on all.
+    """
+    device = rank_device()
+    model = wrap_ddp(mlp(width=256, depth=2, seed=0), device)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    generator = torch.Generator().manual_seed(dist.get_rank())
+    mine = {phase: [] for phase in PHASES}
+    for step in range(steps + 1):  # step 0 warms up: not recorded
+        t0 = time.perf_counter()
+        x, y = torch.randn(128, 64, generator=generator), torch.randint(0, 10, (128,), generator=generator)
+        if dist.get_rank() == slow_rank:
+            time.sleep(extra)  # a slower disk, a busier node, a longer sequence
+        t1 = time.perf_counter()
+        with model.no_sync():
+            optimizer.zero_grad()
+            F.cross_entropy(model(x.to(device)), y.to(device)).backward()
+        t2 = time.perf_counter()
+        grads = [p.grad for p in model.parameters()]
+        flat = torch.cat([g.flatten() for g in grads])  # one all-reduce for all, as one DDP bucket
+        dist.all_reduce(flat)
+        for g, averaged in zip(
+            grads, torch._utils._unflatten_dense_tensors(flat / dist.get_world_size(), grads), strict=True
+        ):
+            g.copy_(averaged)
+        t3 = time.perf_counter()
+        optimizer.step()
+        if step:
+            for phase, seconds in zip(PHASES, (t1 - t0, t2 - t1, t3 - t2), strict=True):
+                mine[phase].append(seconds)
+    everyone = [None] * dist.get_world_size()
+    dist.all_gather_object(everyone, mine)
+    return {"per rank": everyone}
+
+
+def find_straggler(per_rank: list[dict]) -> dict:
+    """The rank that makes the others wait: the one that waits least in the all-reduce.
+
+    Every rank leaves the all-reduce at about the same moment, so the time a rank spends in
+    it is how early it arrived. The straggler arrives last and barely waits.
+    """
+    waits = [sum(r["all-reduce"]) / len(r["all-reduce"]) for r in per_rank]
+    work = [sum(sum(r[p]) for p in ("data", "compute")) / len(r["data"]) for r in per_rank]
+    slowest = min(range(len(waits)), key=waits.__getitem__)
+    return {"rank": slowest, "mean wait": waits, "mean work": work}
+
+
+def _merge(intervals):
+    """The union of (start, end) intervals, as sorted disjoint intervals."""
+    merged = []
+    for start, end in sorted(intervals):
+        if merged and start <= merged[-1][1]:
+            merged[-1][1] = max(merged[-1][1], end)
+        else:
+            merged.append([start, end])
+    return merged
+
+
+def _overlap(a, b) -> float:
+    """Total length of the intersection of two unions of intervals."""
+    total = 0.0
+    for start, end in a:
+        for s, e in b:
+            total += max(0.0, min(end, e) - max(start, s))
+    return total
+
+
+def profile_ddp(bucket_cap_mb: float = 1.0, steps: int = 3, trace_dir: str | None = None) -> dict:
+    """Rank function: profile ``steps`` DDP steps of a 3.2M-parameter MLP.
+
+    Compute: the backward operations the autograd engine runs on the main thread.
+    Communication: the all-reduces gloo runs on its own threads, one per gradient bucket.
+    Returns both as (start, end) intervals in ms from the first step's start, the share of
+    communication time that overlaps backward compute, the number of buckets per step, and
+    the path of the Chrome trace if ``trace_dir`` is given.
+    """
+    from torch.profiler import ProfilerActivity, profile, record_function
+
+    device = rank_device()
+    model = wrap_ddp(mlp(width=1024, depth=4, seed=0), device, bucket_cap_mb=bucket_cap_mb)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
+    generator = torch.Generator().manual_seed(dist.get_rank())
+    x, y = (
+        torch.randn(256, 64, generator=generator).to(device),
+        torch.randint(0, 10, (256,), generator=generator).to(device),
+    )
+
+    def step():
+        optimizer.zero_grad()
+        F.cross_entropy(model(x), y).backward()
+        optimizer.step()
+
+    for _ in range(2):  # warm-up: DDP re-forms its buckets after the first step
+        step()
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
+    with profile(activities=activities) as prof:
+        for _ in range(steps):
+            with record_function("train step"):
+                step()
+    events = prof.events()
+    start = min(e.time_range.start for e in events if e.name == "train step")
+    ms = lambda us: (us - start) / 1e3  # noqa: E731  (profiler times are in microseconds)
+    compute = _merge(
+        (ms(e.time_range.start), ms(e.time_range.end))
+        for e in events
+        if e.name.startswith("autograd::engine::evaluate_function") and "AccumulateGrad" not in e.name
+    )
+    comm_name = "nccl:all_reduce" if device.type == "cuda" else "gloo:all_reduce"
+    comm = sorted((ms(e.time_range.start), ms(e.time_range.end)) for e in events if e.name == comm_name)
+    comm_total = sum(e - s for s, e in comm)
+    trace = None
+    if trace_dir is not None:
+        trace = str(Path(trace_dir) / f"ddp_bucket{bucket_cap_mb:g}MB_rank{dist.get_rank()}.json")
+        prof.export_chrome_trace(trace)
+    return {
+        "compute": compute,
+        "communication": comm,
+        "overlap": _overlap(compute, _merge(comm)) / comm_total if comm_total else 0.0,
+        "buckets per step": len(comm) / steps,
+        "step ms": [ms(e.time_range.end) - ms(e.time_range.start) for e in events if e.name == "train step"],
+        "trace": trace,
+    }
