@@ -85,7 +85,7 @@ def _step_inputs(seed: int = 0, batch: int = 8, seq: int = 32, hidden: int = 64)
     return torch.randn(batch, seq, hidden, generator=generator)
 
 
-def compile_cost(backend: str = "aot_eager", steps: int = 5, layers: int = 2) -> dict:
+def compile_cost(backend: str = "aot_eager", steps: int = 8, layers: int = 2) -> dict:
     """Forward + backward of a small transformer, compiled with ``backend``, against eager.
 
     Returns the seconds of the first call (which traces and compiles), the median seconds
