@@ -261,7 +261,8 @@ def parameters_agree(model: torch.nn.Module) -> list[str]:
     per tensor instead of the tensors themselves. Equal sums do not prove equal tensors,
     but different sums prove different ones, which is what a check needs.
     """
-    sums = torch.tensor([p.detach().double().sum().item() for p in model.parameters()])
+    device = next(model.parameters()).device  # nccl gathers GPU tensors only
+    sums = torch.tensor([p.detach().double().sum().item() for p in model.parameters()], device=device)
     gathered = [torch.empty_like(sums) for _ in range(dist.get_world_size())]
     dist.all_gather(gathered, sums)
     names = [n for n, _ in model.named_parameters()]
@@ -310,6 +311,8 @@ def reproducible_run(seed: int = 0, steps: int = 5) -> list[float]:
     the losses are bitwise the same every run with the same world size. A different world
     size changes the order of the gradient sums, and with it the last bits.
     """
+    # cuBLAS is deterministic only with a fixed workspace; read when its first handle is created
+    os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
     torch.use_deterministic_algorithms(True)
     torch.manual_seed(seed + dist.get_rank())  # per-rank streams (e.g. dropout) from the seed
     device = rank_device()
@@ -351,24 +354,49 @@ def torchrun_crash(fail: str = "exception", timeout: float = 60.0) -> dict:
     error_file = None
     if root.get("error_file", "<N/A>") != "<N/A>" and Path(root["error_file"]).is_file():
         error_file = json.loads(Path(root["error_file"]).read_text())
-    return {"returncode": done.returncode, "root cause": root, "error file": error_file, "stdout": done.stdout}
+    return {
+        "returncode": done.returncode,
+        "root cause": root,
+        "other failures": other_failures(done.stderr),
+        "error file": error_file,
+        "stdout": done.stdout,
+    }
+
+
+FIELDS = ("time", "host", "rank", "exitcode", "error_file", "traceback")
+
+
+def _block(lines: list[str]) -> list[dict]:
+    """Failure entries ("[0]:" then "  field : value" lines) of one block of torchrun's summary."""
+    entries = []
+    for line in lines:
+        if line.strip().startswith("[") and line.strip().endswith("]:"):
+            entries.append({})
+            continue
+        key, sep, value = line.strip().partition(":")
+        if entries and sep and key.strip() in FIELDS and key.strip() not in entries[-1]:
+            entries[-1][key.strip()] = value.strip()
+    return entries
+
+
+def _section(stderr: str, title: str) -> list[str]:
+    lines = stderr.splitlines()
+    start = next((i for i, line in enumerate(lines) if line.startswith(title)), None)
+    if start is None:
+        return []
+    end = next((i for i in range(start + 1, len(lines)) if lines[i].startswith(("----", "===="))), len(lines))
+    return lines[start + 1 : end]
 
 
 def root_cause(stderr: str) -> dict:
     """The fields of the "Root Cause (first observed failure)" block torchrun prints on failure."""
-    lines = stderr.splitlines()
-    try:
-        start = next(i for i, line in enumerate(lines) if line.startswith("Root Cause"))
-    except StopIteration:
-        return {}
-    fields = {}
-    for line in lines[start + 1 :]:
-        if line.startswith("===="):
-            break
-        key, sep, value = line.strip().partition(":")
-        if sep and key.strip() in ("time", "host", "rank", "exitcode", "error_file", "traceback"):
-            fields[key.strip()] = value.strip()
-    return fields
+    entries = _block(_section(stderr, "Root Cause"))
+    return entries[0] if entries else {}
+
+
+def other_failures(stderr: str) -> list[dict]:
+    """Rank and exit code of each failure torchrun lists besides the root cause."""
+    return [{k: e[k] for k in ("rank", "exitcode") if k in e} for e in _block(_section(stderr, "Failures:"))]
 
 
 # --------------------------------------------------------------------------------------

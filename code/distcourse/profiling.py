@@ -101,8 +101,9 @@ def _overlap(a, b) -> float:
 def profile_ddp(bucket_cap_mb: float = 1.0, steps: int = 3, trace_dir: str | None = None) -> dict:
     """Rank function: profile ``steps`` DDP steps of a 3.2M-parameter MLP.
 
-    Compute: the backward operations the autograd engine runs on the main thread.
-    Communication: the all-reduces gloo runs on its own threads, one per gradient bucket.
+    Compute: the backward operations the autograd engine runs on the main thread (on a GPU:
+    the model's kernels). Communication: the all-reduces gloo runs on its own threads, one
+    per gradient bucket (on a GPU: NCCL's kernels).
     Returns both as (start, end) intervals in ms from the first step's start, the share of
     communication time that overlaps backward compute, the number of buckets per step, and
     the path of the Chrome trace if ``trace_dir`` is given.
@@ -133,13 +134,21 @@ def profile_ddp(bucket_cap_mb: float = 1.0, steps: int = 3, trace_dir: str | Non
     events = prof.events()
     start = min(e.time_range.start for e in events if e.name == "train step")
     ms = lambda us: (us - start) / 1e3  # noqa: E731  (profiler times are in microseconds)
-    compute = _merge(
-        (ms(e.time_range.start), ms(e.time_range.end))
-        for e in events
-        if e.name.startswith("autograd::engine::evaluate_function") and "AccumulateGrad" not in e.name
-    )
-    comm_name = "nccl:all_reduce" if device.type == "cuda" else "gloo:all_reduce"
-    comm = sorted((ms(e.time_range.start), ms(e.time_range.end)) for e in events if e.name == comm_name)
+    if device.type == "cuda":
+        # On a GPU the CPU only enqueues: what runs when is in the kernels' own intervals,
+        # NCCL's on its stream, the model's on the compute stream.
+        kernels = [e for e in events if e.device_type == torch.autograd.DeviceType.CUDA]
+        compute = _merge(
+            (ms(e.time_range.start), ms(e.time_range.end)) for e in kernels if "nccl" not in e.name.lower()
+        )
+        comm = sorted((ms(e.time_range.start), ms(e.time_range.end)) for e in kernels if "nccl" in e.name.lower())
+    else:
+        compute = _merge(
+            (ms(e.time_range.start), ms(e.time_range.end))
+            for e in events
+            if e.name.startswith("autograd::engine::evaluate_function") and "AccumulateGrad" not in e.name
+        )
+        comm = sorted((ms(e.time_range.start), ms(e.time_range.end)) for e in events if e.name == "gloo:all_reduce")
     comm_total = sum(e - s for s, e in comm)
     trace = None
     if trace_dir is not None:

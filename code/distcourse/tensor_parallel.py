@@ -158,11 +158,11 @@ def megatron_by_hand(hidden: int = 64, tokens: int = 32) -> dict:
     """
     from torch.distributed.tensor.debug import CommDebugMode
 
-    rank, world = dist.get_rank(), dist.get_world_size()
+    rank, world, device = dist.get_rank(), dist.get_world_size(), rank_device()
     generator = torch.Generator().manual_seed(0)  # the same full weights and input on every rank
-    w1 = torch.randn(4 * hidden, hidden, generator=generator) / hidden**0.5
-    w2 = torch.randn(hidden, 4 * hidden, generator=generator) / (4 * hidden) ** 0.5
-    x = torch.randn(tokens, hidden, generator=generator)
+    w1 = (torch.randn(4 * hidden, hidden, generator=generator) / hidden**0.5).to(device)
+    w2 = (torch.randn(hidden, 4 * hidden, generator=generator) / (4 * hidden) ** 0.5).to(device)
+    x = torch.randn(tokens, hidden, generator=generator).to(device)  # nccl reduces GPU tensors only
     part = slice(rank * 4 * hidden // world, (rank + 1) * 4 * hidden // world)
     w1_rows = w1[part].clone().requires_grad_()  # column-parallel: output features split
     w2_cols = w2[:, part].clone().requires_grad_()  # row-parallel: input features split

@@ -54,6 +54,7 @@ def test_torchrun_names_the_root_cause(fail):
         assert crash["error file"]["message"]["message"].startswith("ValueError")
     else:
         assert crash["root cause"]["exitcode"].startswith("-9") and crash["error file"] is None
+    assert [f["exitcode"].split()[0] for f in crash["other failures"]] == ["-15"]  # rank 0, stopped by torchrun
 
 
 def test_root_cause_parser_without_a_failure():

@@ -16,6 +16,7 @@ import argparse
 import datetime
 import os
 import signal
+import time
 
 import torch
 import torch.distributed as dist
@@ -35,6 +36,11 @@ def main() -> None:
             if args.fail == "sigkill":
                 os.kill(os.getpid(), signal.SIGKILL)  # as the out-of-memory killer would
             raise ValueError(f"rank {rank}: batch {step} has no labels")
+        if step == 1:
+            # The others are still computing when that rank fails. torchrun dates failures to
+            # the second and breaks ties by rank, so a peer's "connection closed" error in the
+            # same second would be named the root cause; a longer step keeps them apart.
+            time.sleep(2)
         dist.all_reduce(torch.ones(1))
         print(f"rank {rank} finished step {step}", flush=True)
     dist.destroy_process_group()
