@@ -25,6 +25,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
+from . import sharding
 from .common.models import mlp, transformer
 from .common.training import global_mean, wrap_ddp
 from .runtime.hardware import rank_device
@@ -175,14 +176,6 @@ class _Counting:
         return torch._dynamo.lookup_backend("aot_eager")(graph_module, example_inputs)
 
 
-def _batch(step: int, rank: int, world_size: int, batch_size: int = 32):
-    generator = torch.Generator().manual_seed(500 + step)
-    x = torch.randn(batch_size * world_size, 64, generator=generator)
-    y = torch.randint(0, 10, (batch_size * world_size,), generator=generator)
-    part = slice(rank * batch_size, (rank + 1) * batch_size)
-    return x[part], y[part]
-
-
 def ddp_train(compiled: bool = True, bucket_cap_mb: float = 25.0, steps: int = 12) -> dict:
     """Rank function: DDP training of ``Net``, eager or compiled, with a given bucket size.
 
@@ -201,7 +194,7 @@ def ddp_train(compiled: bool = True, bucket_cap_mb: float = 25.0, steps: int = 1
     losses, seconds = [], []
     for step in range(steps):
         started = time.perf_counter()
-        x, y = (t.to(device) for t in _batch(step, rank, world))
+        x, y = (t.to(device) for t in sharding._batch(rank, world, step))  # chapter 08's batches
         loss = F.cross_entropy(forward(x), y)
         optimizer.zero_grad()
         loss.backward()

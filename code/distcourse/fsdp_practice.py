@@ -35,25 +35,6 @@ def micro_batch(rank: int, world_size: int, index: int):
     return sharding._batch(rank, world_size, step=index)
 
 
-def count(comm_mode) -> dict:
-    """CommDebugMode's counts under plain names: all-gather, reduce-scatter, all-reduce."""
-    names = {"allgather": "all-gather", "all_gather": "all-gather", "reduce_scatter": "reduce-scatter"}
-    names |= {"allreduce": "all-reduce", "all_reduce": "all-reduce"}
-    out = {}
-    for op, n in comm_mode.get_comm_counts().items():
-        name = next((plain for key, plain in names.items() if key in str(op)), str(op))
-        out[name] = out.get(name, 0) + n
-    return out
-
-
-def _local(t: torch.Tensor) -> torch.Tensor:
-    return t.to_local() if hasattr(t, "to_local") else t
-
-
-def _full(t: torch.Tensor) -> torch.Tensor:
-    return t.full_tensor() if hasattr(t, "full_tensor") else t
-
-
 def reference(world_size: int, micro_batches: int = 1, max_norm: float | None = None) -> dict:
     """One process: gradients of the mean loss over every rank's samples, optionally clipped."""
     model = sharding.make_model()
@@ -84,9 +65,9 @@ def clip(max_norm: float = 0.5) -> dict:
         norm = nn.utils.clip_grad_norm_(model.parameters(), max_norm)
     return {
         "norm type": type(norm).__name__,
-        "norm": _full(norm).item(),
-        "collectives": count(comm),
-        "grads": {n: _full(p.grad).cpu() for n, p in model.named_parameters()},
+        "norm": sharding.full(norm).item(),
+        "collectives": sharding.count_collectives(comm),
+        "grads": {n: sharding.full(p.grad).cpu() for n, p in model.named_parameters()},
     }
 
 
@@ -123,13 +104,13 @@ def accumulate(
         x, y = micro_batch(rank, world, i)
         with CommDebugMode() as comm:
             (F.cross_entropy(model(x.to(device)), y.to(device)) / micro_batches).backward()
-        per_micro_batch.append(count(comm))
+        per_micro_batch.append(sharding.count_collectives(comm))
         grad = model[0].weight.grad  # None while FSDP2 keeps the accumulated gradient itself
-        first_grad.append(None if grad is None else (type(grad).__name__, tuple(_local(grad).shape)))
+        first_grad.append(None if grad is None else (type(grad).__name__, tuple(sharding._local(grad).shape)))
     return {
         "collectives": per_micro_batch,
         "first layer grad": first_grad,
-        "grads": {n: _full(p.grad).cpu() for n, p in model.named_parameters()},
+        "grads": {n: sharding.full(p.grad).cpu() for n, p in model.named_parameters()},
     }
 
 
@@ -170,8 +151,8 @@ def reshard(reshard_after_forward: bool = True) -> dict:
     with CommDebugMode() as backward:
         loss.backward()
     return {
-        "forward": count(forward),
-        "backward": count(backward),
+        "forward": sharding.count_collectives(forward),
+        "backward": sharding.count_collectives(backward),
         "bytes held after forward": held,
         "layers still gathered": gathered,
         "full model bytes": sum(p.numel() * p.element_size() for p in sharding.make_model().parameters()),

@@ -22,7 +22,8 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from .common.models import gpt
 from .runtime.hardware import rank_device
-from .tensor_parallel import SIZES, _loss, tokens, tp_plan
+from .sharding import full
+from .tensor_parallel import SIZES, _loss, reference_train, tokens, tp_plan
 
 LAYOUTS = ("fsdp", "tp+fsdp", "hsdp")
 GLOBAL_BATCH = 8
@@ -151,25 +152,13 @@ def mesh_train(layout: str = "tp+fsdp", steps: int = 3) -> dict:
         total = loss.detach().clone()
         dist.all_reduce(total)
         losses.append(total.item() / dist.get_world_size())  # tp peers hold equal losses: the mean is the batch's
-    params = {
-        n: (p.full_tensor() if hasattr(p, "full_tensor") else p).detach().cpu() for n, p in model.named_parameters()
-    }
+    params = {n: full(p).detach().cpu() for n, p in model.named_parameters()}
     return {"losses": losses, "params": params, "traffic": traffic}
 
 
 def reference(steps: int = 3) -> dict:
     """One process, the whole global batch: what every layout must reproduce."""
-    model = gpt(**SIZES)
-    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
-    losses = []
-    for step in range(steps):
-        inputs, targets = tokens(step, batch=GLOBAL_BATCH)
-        loss = _loss(model(inputs), targets)
-        optimizer.zero_grad()
-        loss.backward()
-        optimizer.step()
-        losses.append(loss.item())
-    return {"losses": losses, "params": {n: p.detach().clone() for n, p in model.named_parameters()}}
+    return reference_train(steps, batch=GLOBAL_BATCH)
 
 
 # --------------------------------------------------------------------------------------

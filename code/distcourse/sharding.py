@@ -100,6 +100,28 @@ def _local(t: torch.Tensor) -> torch.Tensor:
     return t.to_local() if hasattr(t, "to_local") else t
 
 
+def full(t: torch.Tensor) -> torch.Tensor:
+    """The whole tensor: a DTensor gathered from its shards (a collective), else the tensor itself."""
+    return t.full_tensor() if hasattr(t, "full_tensor") else t
+
+
+def count_collectives(comm_mode) -> dict:
+    """``CommDebugMode``'s counts under plain names (all-gather, reduce-scatter, all-reduce,
+    all-to-all), whether the collective came through ``torch.distributed`` or DTensor."""
+    plain = {"all_gather": "all-gather", "allgather": "all-gather", "reduce_scatter": "reduce-scatter"}
+    plain |= {
+        "all_reduce": "all-reduce",
+        "allreduce": "all-reduce",
+        "all_to_all": "all-to-all",
+        "alltoall": "all-to-all",
+    }
+    out = {}
+    for op, n in comm_mode.get_comm_counts().items():
+        name = next((p for key, p in plain.items() if key in str(op)), str(op))
+        out[name] = out.get(name, 0) + n
+    return out
+
+
 def local_bytes(tensors) -> int:
     """Bytes of the elements this rank holds (its shard of a sharded tensor)."""
     return sum(_local(t).numel() * _local(t).element_size() for t in tensors)

@@ -25,6 +25,7 @@ from torch import nn
 from .activations import saved_bytes
 from .common.models import gpt
 from .runtime.hardware import rank_device
+from .sharding import count_collectives, full
 
 # What each change of placement costs: the collective DTensor issues (gloo has no all-to-all,
 # so Shard(0) -> Shard(1) becomes an all-gather followed by a local chunk).
@@ -36,22 +37,6 @@ REDISTRIBUTE_COLLECTIVE = {
     ("Shard(0)", "Shard(1)"): "all-to-all",
 }
 SIZES = {"vocab": 256, "hidden": 64, "heads": 4, "layers": 2}
-
-
-def count(comm_mode) -> dict:
-    """CommDebugMode's counts under plain names (functional and c10d collectives alike)."""
-    plain = {"all_gather": "all-gather", "allgather": "all-gather", "reduce_scatter": "reduce-scatter"}
-    plain |= {
-        "all_reduce": "all-reduce",
-        "allreduce": "all-reduce",
-        "all_to_all": "all-to-all",
-        "alltoall": "all-to-all",
-    }
-    out = {}
-    for op, n in comm_mode.get_comm_counts().items():
-        name = next((p for key, p in plain.items() if key in str(op)), str(op))
-        out[name] = out.get(name, 0) + n
-    return out
 
 
 def _mesh(shape=None, names=None):
@@ -96,7 +81,7 @@ def redistribute_costs(pairs: list | None = None, rows: int = 4, cols: int = 6) 
             {
                 "from": source,
                 "to": target,
-                "collectives": count(comm),
+                "collectives": count_collectives(comm),
                 "expected": expected,
                 "local shape before": tuple(tensor.to_local().shape),
                 "local shape after": tuple(moved.to_local().shape),
@@ -176,8 +161,8 @@ def megatron_by_hand(hidden: int = 64, tokens: int = 32) -> dict:
     y_full = F.gelu(x_full @ w1_full.T) @ w2_full.T
     y_full.square().sum().backward()
     return {
-        "forward": count(forward),
-        "backward": count(backward),
+        "forward": count_collectives(forward),
+        "backward": count_collectives(backward),
         "output gap": (y - y_full).abs().max().item(),
         "input grad gap": (x_local.grad - x_full.grad).abs().max().item(),
         "weight grad gap": max(
@@ -257,13 +242,14 @@ def activation_bytes_one_process() -> int:
     return saved_bytes(lambda: model(tokens(0)[0]), list(model.parameters()))[0]
 
 
-def reference_train(steps: int = 3) -> dict:
-    """One process: the GPT trained ``steps`` AdamW steps on the same tokens as ``tp_train``."""
+def reference_train(steps: int = 3, batch: int = 4) -> dict:
+    """One process: the GPT trained ``steps`` AdamW steps on ``batch`` sequences per step, the
+    tokens ``tp_train`` (batch 4) and ``meshes.mesh_train`` (the global batch) train on."""
     model = gpt(**SIZES)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
     losses = []
     for step in range(steps):
-        inputs, targets = tokens(step)
+        inputs, targets = tokens(step, batch=batch)
         loss = _loss(model(inputs), targets)
         optimizer.zero_grad()
         loss.backward()
@@ -303,11 +289,9 @@ def tp_train(sequence_parallel: bool = False, loss_parallel: bool = False, steps
             loss.backward()
         optimizer.step()
         if step == 0:
-            comms = {"forward": count(forward), "backward": count(backward)}
+            comms = {"forward": count_collectives(forward), "backward": count_collectives(backward)}
         losses.append(loss.full_tensor().item() if hasattr(loss, "full_tensor") else loss.item())
-    params = {
-        n: (p.full_tensor() if hasattr(p, "full_tensor") else p).detach().cpu() for n, p in model.named_parameters()
-    }
+    params = {n: full(p).detach().cpu() for n, p in model.named_parameters()}
     return {"losses": losses, "params": params, "collectives": comms, "activation bytes": kept}
 
 
