@@ -1,0 +1,478 @@
+"""Chapter 12: a small GPT trained on the course's own text, from the first step to a sample.
+
+    python -m distcourse.capstone                                        # one process
+    torchrun --standalone --nproc-per-node 2 -m distcourse.capstone      # FSDP2 over 2 ranks
+    torchrun --standalone --nproc-per-node 4 -m distcourse.capstone --tp 2   # (dp 2, tp 2) mesh
+    torchrun --nnodes 2 --nproc-per-node 4 --rdzv-backend c10d \\
+             --rdzv-endpoint HOST:PORT -m distcourse.capstone             # on each of two nodes
+    sbatch code/distcourse/scripts/slurm_train.sbatch -m distcourse.capstone --steps 5000   # SLURM
+
+One script, chosen by the launcher's flags: like chapter 07's ``train.py`` it runs distributed
+when the launcher set ``RANK``. It is also a rank function: ``launch(capstone.main, 4,
+args=(argv,))`` runs it on ranks whose process group is already initialised.
+
+What it puts together: a byte-level corpus split into training and held-out text; a
+``DataLoader`` with worker processes over a ``DistributedSampler`` (``set_epoch`` every
+epoch, and able to start mid-epoch after a resume); FSDP2 on a ``dp`` mesh dimension and,
+with ``--tp``, tensor parallelism on a ``tp`` dimension (chapter 10's plan); bf16 autocast;
+activation checkpointing; evaluation on held-out text; a tqdm bar and logs on rank 0 only;
+asynchronous DCP checkpoints and exact resume; a final model gathered for one-process
+inference, and a sample of generated text.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import pathlib
+import signal
+import time
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch.utils.data import DataLoader, Dataset, DistributedSampler
+from tqdm.auto import tqdm
+
+from . import checkpoints
+from .common.models import gpt
+from .tensor_parallel import tp_plan
+from .train import check_launcher_env, choose_device, init_distributed, say
+
+COURSE_CHAPTERS = pathlib.Path(__file__).resolve().parents[2] / "chapters" / "en"
+VOCAB = 256  # bytes: no tokenizer to train or ship, and any text in any language is valid input
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--corpus", type=pathlib.Path, default=COURSE_CHAPTERS, help="a text file, or a folder of them")
+    p.add_argument("--held-out", type=float, default=0.1, help="the last fraction of the corpus, for evaluation only")
+    p.add_argument("--seq-len", type=int, default=64)
+    p.add_argument("--batch-size", type=int, default=8, help="sequences per data-parallel rank and step")
+    p.add_argument("--steps", type=int, default=40)
+    p.add_argument("--lr", type=float, default=3e-3)
+    p.add_argument("--hidden", type=int, default=64)
+    p.add_argument("--heads", type=int, default=4)
+    p.add_argument("--layers", type=int, default=2)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--limit-windows", type=int, help="train on the first N windows only (short epochs)")
+    p.add_argument("--workers", type=int, default=1, help="DataLoader worker processes per rank")
+    p.add_argument("--tp", type=int, default=1, help="tensor-parallel ranks per model replica (a 2-D mesh)")
+    p.add_argument("--precision", choices=("auto", "fp32", "bf16"), default="auto", help="auto: bf16 on GPUs only")
+    p.add_argument("--activation-checkpointing", action="store_true", help="recompute each block in backward")
+    p.add_argument("--eval-every", type=int, default=20)
+    p.add_argument("--eval-batches", type=int, default=4)
+    p.add_argument("--log-every", type=int, default=10, help="steps between loss logs (one sync of the GPU each)")
+    p.add_argument("--ckpt-dir", type=pathlib.Path, help="save here every --save-every steps; resume from it")
+    p.add_argument("--save-every", type=int, default=10)
+    p.add_argument("--sync-save", action="store_true", help="wait for each checkpoint (default: async_save)")
+    p.add_argument("--out", type=pathlib.Path, help="rank 0 writes metrics.jsonl, final.pt and sample.txt here")
+    p.add_argument("--sample-bytes", type=int, default=160)
+    p.add_argument("--prompt", default="Distributed training ")
+    p.add_argument("--progress", choices=("auto", "on", "off"), default="auto", help="tqdm bar on rank 0")
+    p.add_argument("--timeout", type=float, default=60.0, help="process group timeout, seconds")
+    p.add_argument("--kill-at", type=int, help="on the first attempt, the last rank is killed (SIGKILL) at this step")
+    args = p.parse_args(argv)
+    for name in ("seq_len", "batch_size", "steps", "tp", "save_every", "log_every", "eval_every"):
+        if getattr(args, name) < 1:
+            p.error(f"--{name.replace('_', '-')} must be at least 1")
+    return args
+
+
+# --------------------------------------------------------------------------------------
+# Data: the course's own prose, as bytes
+# --------------------------------------------------------------------------------------
+
+
+def corpus_text(path: pathlib.Path) -> str:
+    """The text to train on: a text file, or every notebook's markdown cells and every
+    ``.md``/``.txt`` file in a folder (sorted by name, so every rank reads the same corpus)."""
+    path = pathlib.Path(path)
+    if not path.exists():
+        raise FileNotFoundError(
+            f"no corpus at {path}: pass --corpus with a text file or a folder of notebooks or text files"
+        )
+    files = sorted(p for p in path.iterdir() if p.suffix in (".ipynb", ".md", ".txt")) if path.is_dir() else [path]
+    parts = []
+    for f in files:
+        if f.suffix == ".ipynb":
+            cells = json.loads(f.read_text(encoding="utf-8"))["cells"]
+            parts += ["".join(c["source"]) for c in cells if c["cell_type"] == "markdown"]
+        else:
+            parts.append(f.read_text(encoding="utf-8"))
+    text = "\n\n".join(parts)
+    if not text.strip():
+        raise ValueError(f"the corpus at {path} holds no text")
+    return text
+
+
+def split_corpus(text: str, held_out: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """UTF-8 bytes as a uint8 tensor, cut in two: training text, then held-out text."""
+    if not 0 < held_out < 1:
+        raise ValueError(f"--held-out must be between 0 and 1, got {held_out}")
+    data = torch.frombuffer(bytearray(text.encode("utf-8")), dtype=torch.uint8)
+    cut = int(len(data) * (1 - held_out))
+    return data[:cut], data[cut:]
+
+
+class Windows(Dataset):
+    """Non-overlapping windows of ``seq_len + 1`` bytes: the input, and the targets one byte later."""
+
+    def __init__(self, data: torch.Tensor, seq_len: int, limit: int | None = None):
+        self.data, self.seq_len = data, seq_len
+        self.count = (len(data) - 1) // seq_len if limit is None else min(limit, (len(data) - 1) // seq_len)
+        if self.count < 1:
+            raise ValueError(f"{len(data)} bytes hold no window of {seq_len + 1}: use a bigger corpus or --seq-len")
+
+    def __len__(self) -> int:
+        return self.count
+
+    def __getitem__(self, i: int):
+        window = self.data[i * self.seq_len : (i + 1) * self.seq_len + 1].long()
+        return window[:-1], window[1:]
+
+
+class ResumableSampler(DistributedSampler):
+    """A ``DistributedSampler`` that can start its epoch part-way through.
+
+    After a resume at step s the epoch is already ``s % steps_per_epoch`` batches old; those
+    samples must be skipped, not read and thrown away (a real corpus is big). The order of an
+    epoch depends only on ``seed + epoch`` (``set_epoch``), so the samples that follow are
+    exactly those the uninterrupted run saw.
+    """
+
+    skip = 0
+
+    def __iter__(self):
+        return iter(list(super().__iter__())[self.skip :])
+
+    def __len__(self) -> int:
+        return self.num_samples - self.skip
+
+
+# --------------------------------------------------------------------------------------
+# Model: the GPT of chapter 10 on a (dp, tp) mesh
+# --------------------------------------------------------------------------------------
+
+
+def build_model(args, device: torch.device, world_size: int):
+    """The GPT, parallelised for ``world_size`` ranks; returns (model, data-parallel size, its rank)."""
+    model = gpt(args.seed, vocab=VOCAB, hidden=args.hidden, heads=args.heads, layers=args.layers).to(device)
+    if not dist.is_initialized():
+        if args.tp > 1:
+            raise ValueError(f"--tp {args.tp} needs {args.tp} or more ranks: start the script with torchrun")
+        return _checkpointed(model, args), 1, 0
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+    from torch.distributed.tensor.parallel import parallelize_module
+
+    if world_size % args.tp or args.heads % args.tp:
+        raise ValueError(f"--tp {args.tp} must divide the world size ({world_size}) and --heads ({args.heads})")
+    mesh = init_device_mesh(device.type, (world_size // args.tp, args.tp), mesh_dim_names=("dp", "tp"))
+    # torchtitan's order: tensor parallelism on the plain modules (the plan names them), then
+    # activation checkpointing around each block, then FSDP2 around the checkpointed blocks.
+    if args.tp > 1:
+        parallelize_module(model, mesh["tp"], tp_plan(model))
+    model = _checkpointed(model, args)
+    for block in model.layers:
+        fully_shard(block, mesh=mesh["dp"])  # one all-gather per block, freed after use
+    fully_shard(model, mesh=mesh["dp"])  # embedding, final norm and output
+    return model, mesh["dp"].size(), mesh["dp"].get_local_rank()
+
+
+def _checkpointed(model, args):
+    if args.activation_checkpointing:
+        from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
+
+        for i, block in enumerate(model.layers):
+            model.layers[i] = checkpoint_wrapper(block)  # keeps only each block's input for backward
+    return model
+
+
+def autocast(device: torch.device, precision: str):
+    """bf16 autocast where it pays: on GPUs with bf16 matrix units. On a CPU without them
+    (this course's laptop case) bf16 matmuls are emulated and slower: chapter 09 measured it."""
+    if precision == "auto":
+        precision = "bf16" if device.type == "cuda" and torch.cuda.is_bf16_supported() else "fp32"
+    return torch.autocast(device.type, dtype=torch.bfloat16, enabled=precision == "bf16"), precision
+
+
+def loss_of(model, inputs, targets) -> torch.Tensor:
+    logits = model(inputs)
+    return F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten())
+
+
+# --------------------------------------------------------------------------------------
+# Checkpoints: DCP, asynchronous, with a completeness rule
+# --------------------------------------------------------------------------------------
+
+
+def checkpoint_dir(root: pathlib.Path, step: int) -> pathlib.Path:
+    return root / f"step-{step:06d}"
+
+
+def latest_complete(root: pathlib.Path | None) -> tuple[int, pathlib.Path | None, list[str]]:
+    """The newest checkpoint that finished (DCP writes ``.metadata`` last, after every rank's
+    shards), and the names of newer ones that did not: a save cut short by a kill."""
+    if root is None or not root.exists():
+        return 0, None, []
+    found = sorted(root.glob("step-*"))
+    complete = [d for d in found if (d / ".metadata").exists()]
+    if not complete:
+        return 0, None, [d.name for d in found]
+    newest = complete[-1]
+    return int(newest.name.split("-")[1]), newest, [d.name for d in found if d.name > newest.name]
+
+
+def state_of(model, optimizer) -> dict:
+    from torch.distributed.checkpoint.state_dict import get_state_dict
+
+    model_state, optimizer_state = get_state_dict(model, optimizer)  # sharded (DTensor) entries under FSDP2
+    return {"model": model_state, "optimizer": optimizer_state}
+
+
+def load_state(path: pathlib.Path, model, optimizer, group) -> None:
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import set_state_dict
+
+    state = state_of(model, optimizer)
+    dcp.load(state, checkpoint_id=path, process_group=group)  # each rank reads its own shards
+    set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optimizer"])
+
+
+# --------------------------------------------------------------------------------------
+# The script
+# --------------------------------------------------------------------------------------
+
+
+def main(argv=None) -> dict:
+    args = parse_args(argv)
+    check_launcher_env()
+    launched = "RANK" in os.environ  # by torchrun, srun + torchrun, or distcourse.launch
+    rank = int(os.environ.get("RANK", 0))
+    world_size = int(os.environ.get("WORLD_SIZE", 1))
+    local_rank, local_world = int(os.environ.get("LOCAL_RANK", 0)), int(os.environ.get("LOCAL_WORLD_SIZE", 1))
+    device, backend = choose_device(local_rank, local_world)
+    own_group = launched and not dist.is_initialized()  # distcourse.launch has made one already
+    if own_group:
+        init_distributed(backend, device, args.timeout)
+    try:
+        return train(args, rank, world_size, device)
+    finally:
+        if own_group:
+            dist.destroy_process_group()  # also after an exception
+
+
+def train(args, rank: int, world_size: int, device: torch.device) -> dict:
+    master = rank == 0
+    attempt = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
+    train_bytes, held_bytes = split_corpus(corpus_text(args.corpus), args.held_out)
+    model, dp_size, dp_rank = build_model(args, device, world_size)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr)
+    amp, precision = autocast(device, args.precision)
+    # Checkpoints go through a gloo group of their own: on GPUs that keeps the background
+    # save's collectives off NCCL, whose order on the training stream must not interleave.
+    ckpt_group = dist.new_group(backend="gloo") if dist.is_initialized() else None
+
+    start, resumed_from, incomplete = latest_complete(args.ckpt_dir)
+    if resumed_from is not None:
+        load_state(resumed_from, model, optimizer, ckpt_group)
+
+    dataset = Windows(train_bytes, args.seq_len, args.limit_windows)
+    # Every rank of one tp group reads the same samples: the sampler shards over "dp" only.
+    sampler = ResumableSampler(dataset, num_replicas=dp_size, rank=dp_rank, shuffle=True, seed=args.seed, drop_last=True)
+    per_epoch = len(sampler) // args.batch_size
+    if per_epoch < 1:
+        raise ValueError(f"{len(dataset)} windows give no batch of {args.batch_size} on each of {dp_size} ranks")
+    loader = DataLoader(
+        dataset,
+        batch_size=args.batch_size,
+        sampler=sampler,
+        drop_last=True,
+        num_workers=args.workers,
+        persistent_workers=args.workers > 0,  # the workers outlive an epoch: no restart cost each epoch
+        pin_memory=device.type == "cuda",  # page-locked buffers: the copy to the GPU can be asynchronous
+    )
+    held_out = Windows(held_bytes, args.seq_len)
+    tokens_per_step = dp_size * args.batch_size * args.seq_len
+    if master:
+        say(
+            rank,
+            f"attempt {attempt}: {world_size} rank(s) on {device} (dp {dp_size} x tp {args.tp}), "
+            f"{torch.get_num_threads()} thread(s) each, {precision}, "
+            f"{sum(p.numel() for p in model.parameters()):,} parameters, corpus {len(train_bytes):,} + "
+            f"{len(held_bytes):,} bytes, {per_epoch} steps per epoch, {args.workers} loader worker(s) per rank",
+        )
+        if resumed_from is not None:
+            say(rank, f"resumed from {resumed_from.name}" + (f"; incomplete, ignored: {incomplete}" if incomplete else ""))
+        if args.out:
+            args.out.mkdir(parents=True, exist_ok=True)
+
+    show = {"auto": None, "on": False, "off": True}[args.progress]  # tqdm: None = only on a terminal
+    bar = tqdm(total=args.steps, initial=start, unit="step", disable=show if master else True)
+    pending, saving, step, timed = [], None, start, None
+    curve, held_curve = {}, {}  # this attempt's global losses by step, returned to the caller
+    model.train()
+    while step < args.steps:
+        epoch = step // per_epoch
+        sampler.set_epoch(epoch)  # a new order every epoch, the same on every rank
+        sampler.skip = (step % per_epoch) * args.batch_size  # mid-epoch after a resume
+        for inputs, targets in loader:
+            if step == args.kill_at and attempt == 0 and rank == world_size - 1:
+                say(rank, f"killed at step {step}")
+                os.kill(os.getpid(), signal.SIGKILL)  # no cleanup, no flush: a lost node
+            if step == start + 2:
+                timed = (time.perf_counter(), step)  # throughput from the third step: no warm-up
+            inputs, targets = inputs.to(device, non_blocking=True), targets.to(device, non_blocking=True)
+            with amp:
+                loss = loss_of(model, inputs, targets)
+            optimizer.zero_grad(set_to_none=True)
+            loss.backward()
+            optimizer.step()
+            pending.append((step, loss.detach()))  # no .item() here: on a GPU that would wait every step
+            step += 1
+            bar.update()
+            if step % args.log_every == 0 or step == args.steps:
+                logged = flush(pending, args.out if master else None, attempt, curve)
+                bar.set_postfix(loss=f"{logged:.3f}", refresh=False)
+                if master:
+                    say(rank, f"step {step}: loss {logged:.4f}")
+            if step % args.eval_every == 0 or step == args.steps:
+                held = held_curve[step] = evaluate(model, held_out, args, dp_size, dp_rank, device, amp)
+                if master:
+                    say(rank, f"step {step}: held-out loss {held:.4f}")
+                    write(args.out, {"step": step, "held-out": held, "attempt": attempt})
+            if args.ckpt_dir and step % args.save_every == 0:
+                flush(pending, args.out if master else None, attempt, curve)
+                saving = save(args.ckpt_dir, step, model, optimizer, ckpt_group, saving, args.sync_save)
+            if step == args.steps:
+                break
+    bar.close()
+    if saving is not None:
+        saving.result()  # the last asynchronous save must finish before the process ends
+    seconds = time.perf_counter() - timed[0] if timed else float("nan")
+    result = {
+        "world size": world_size,
+        "dp": dp_size,
+        "tp": args.tp,
+        "threads": torch.get_num_threads(),
+        "precision": precision,
+        "resumed from": start,
+        "tokens per second": (step - timed[1]) * tokens_per_step / seconds if timed else None,
+        "loss": curve,
+        "held-out": held_curve,
+    }
+    final = export(model, args, master)
+    if master:
+        text = generate(final, args.prompt, args.sample_bytes, args.seq_len, seed=args.seed)
+        result["sample"] = text
+        if args.out:
+            (args.out / "sample.txt").write_text(text, encoding="utf-8")
+        say(rank, "result " + json.dumps(result))
+    return result
+
+
+def flush(pending: list, out: pathlib.Path | None, attempt: int, curve: dict) -> float:
+    """All-reduce the losses kept since the last log (one collective for many steps), add
+    them to ``curve`` and append them to ``out/metrics.jsonl``; returns the last one."""
+    if not pending:
+        return float("nan")
+    losses = torch.stack([loss for _, loss in pending]).float()
+    if dist.is_initialized():
+        dist.all_reduce(losses)  # tp peers hold equal losses: the mean over ranks is the batch's
+        losses /= dist.get_world_size()
+    for (step, _), value in zip(pending, losses.tolist()):
+        curve[step] = value
+        write(out, {"step": step, "loss": value, "attempt": attempt})
+    pending.clear()
+    return value
+
+
+def write(out: pathlib.Path | None, record: dict) -> None:
+    if out is not None:
+        with open(out / "metrics.jsonl", "a") as f:
+            f.write(json.dumps(record) + "\n")
+
+
+@torch.no_grad()
+def evaluate(model, held_out: Windows, args, dp_size: int, dp_rank: int, device, amp) -> float:
+    """Mean loss on the first ``eval_batches`` batches of held-out text, shared among dp ranks."""
+    model.eval()
+    count = min(len(held_out), args.eval_batches * args.batch_size * dp_size)
+    mine = range(dp_rank, count, dp_size)
+    total = torch.zeros(2, device=device)
+    for first in range(0, len(mine), args.batch_size):
+        batch = [held_out[i] for i in mine[first : first + args.batch_size]]
+        inputs, targets = (torch.stack(t).to(device) for t in zip(*batch))
+        with amp:
+            total += torch.stack([loss_of(model, inputs, targets) * len(batch), torch.tensor(len(batch), device=device)])
+    if dist.is_initialized():
+        dist.all_reduce(total)
+        total /= args.tp  # each tp peer counted the same batches
+    model.train()
+    return (total[0] / total[1]).item()
+
+
+def save(root: pathlib.Path, step: int, model, optimizer, group, previous, wait: bool):
+    """Start a DCP save of this step and return its future (None once done, with ``wait``).
+
+    ``async_save`` copies the state to CPU memory ("staging") and returns; the files are
+    written by a background thread while training goes on. One save at a time: the
+    previous one must be finished before the next is staged.
+    """
+    import torch.distributed.checkpoint as dcp
+
+    if previous is not None:
+        previous.result()
+    path = checkpoint_dir(root, step)
+    if wait:
+        dcp.save(state_of(model, optimizer), checkpoint_id=path, process_group=group)
+        return None
+    return dcp.async_save(state_of(model, optimizer), checkpoint_id=path, process_group=group)
+
+
+def export(model, args, master: bool):
+    """The trained weights as one plain GPT on rank 0 (gathered from every shard), saved as
+    ``final.pt`` for one-process inference; None on the other ranks."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+    options = StateDictOptions(full_state_dict=True, cpu_offload=True)  # only rank 0 keeps the gathered tensors
+    state = get_model_state_dict(model, options=options)
+    if not master:
+        return None
+    final = gpt(None, vocab=VOCAB, hidden=args.hidden, heads=args.heads, layers=args.layers)
+    final.load_state_dict(state)
+    if args.out:
+        checkpoints.atomic_save(state, args.out / "final.pt")
+    return final
+
+
+@torch.no_grad()
+def generate(model, prompt: str, length: int, context: int, seed: int = 0, temperature: float = 0.8) -> str:
+    """Sample ``length`` bytes after ``prompt``, one at a time, seeing at most ``context`` bytes."""
+    model.eval()
+    generator = torch.Generator().manual_seed(seed)
+    tokens = list(prompt.encode("utf-8"))
+    for _ in range(length):
+        logits = model(torch.tensor([tokens[-context:]]))[0, -1].float()
+        probabilities = torch.softmax(logits / temperature, dim=-1)
+        tokens.append(torch.multinomial(probabilities, 1, generator=generator).item())
+    return bytes(tokens).decode("utf-8", errors="replace")
+
+
+def read_metrics(out: pathlib.Path) -> dict:
+    """``metrics.jsonl`` as curves: step -> loss and step -> held-out loss. A step logged by
+    several attempts (the ones between a checkpoint and a kill) keeps its last value."""
+    losses, held = {}, {}
+    for line in (pathlib.Path(out) / "metrics.jsonl").read_text().splitlines():
+        record = json.loads(line)
+        if "loss" in record:
+            losses[record["step"]] = record["loss"]
+        else:
+            held[record["step"]] = record["held-out"]
+    return {"loss": dict(sorted(losses.items())), "held-out": dict(sorted(held.items()))}
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,269 @@
+"""Chapter 12, part 3: a parameter server with ``torch.distributed.rpc``, and collectives beside it.
+
+Rank 0 is the server ("ps"): it owns the model and the optimizer. The other ranks are
+trainers ("trainer1", ...): each pulls the weights, computes a gradient on its own batch and
+pushes it back, through an ``RRef`` (a remote reference) to the server object.
+
+- ``mode="sync"``: the server waits for every trainer's gradient, averages them and takes one
+  step (``@rpc.functions.async_execution``: a push returns a future that completes when the
+  round does). That is data parallelism, and it must equal an all-reduce.
+- ``mode="async"``: each push is applied at once. A slow trainer never holds the others back,
+  but its gradient was computed on weights that have changed since ("staleness").
+- ``remote_autograd``: the other RPC style. The model's forward runs on the server through
+  its RRef, distributed autograd records the calls across processes, and
+  ``DistributedOptimizer`` steps the server's parameters through RRefs to them.
+
+Rank functions are started with ``launch(..., init_process_group=False)``: RPC makes its own
+connections (TensorPipe) at the address given by ``init_method``.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+import time
+import warnings
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch.distributed import rpc
+
+from .common.datasets import digits_batch
+from .common.models import mlp
+
+
+def _batch(step: int, trainer: int, trainers: int, batch: int):
+    """Trainer ``trainer``'s (1-based) share of step ``step``'s global batch of ``trainers * batch`` digits."""
+    images, labels = digits_batch(trainers * batch, seed=step)
+    part = slice((trainer - 1) * batch, trainer * batch)
+    return images[part], labels[part]
+
+
+def one_process(steps: int, trainers: int, batch: int, width: int, lr: float) -> list[torch.Tensor]:
+    """The reference: one process, SGD on the whole global batch each step."""
+    model = mlp(width)
+    optimizer = torch.optim.SGD(model.parameters(), lr=lr)
+    for step in range(steps):
+        images, labels = digits_batch(trainers * batch, seed=step)
+        optimizer.zero_grad()
+        F.cross_entropy(model(images), labels).backward()
+        optimizer.step()
+    return [p.detach().clone() for p in model.parameters()]
+
+
+# --------------------------------------------------------------------------------------
+# 1. Pull and push through an RRef
+# --------------------------------------------------------------------------------------
+
+
+class ParameterServer:
+    """The model, its optimizer and a version number, behind a lock (RPCs arrive on many threads)."""
+
+    def __init__(self, mode: str, trainers: int, width: int, lr: float):
+        if mode not in ("sync", "async"):
+            raise ValueError(f"mode must be 'sync' or 'async', got {mode!r}")
+        self.mode, self.trainers = mode, trainers
+        self.model = mlp(width)
+        self.optimizer = torch.optim.SGD(self.model.parameters(), lr=lr)
+        self.lock = threading.Lock()
+        self.version = 0  # steps taken so far
+        self.staleness = {t: [] for t in range(1, trainers + 1)}  # per push: steps taken since its pull
+        self.round, self.waiting = [], []
+
+    def pull(self) -> tuple[int, list[torch.Tensor]]:
+        with self.lock:
+            return self.version, [p.detach().clone() for p in self.model.parameters()]
+
+    @staticmethod
+    @rpc.functions.async_execution
+    def push(server_rref, trainer: int, version: int, grads: list[torch.Tensor]) -> torch.futures.Future:
+        """Runs on the server. Returns a future: done at once (async), or when the round is (sync)."""
+        self = server_rref.local_value()
+        done = torch.futures.Future()
+        with self.lock:
+            self.staleness[trainer].append(self.version - version)
+            if self.mode == "async":
+                self._step([grads])
+                done.set_result(self.version)
+                return done
+            self.round.append(grads)
+            self.waiting.append(done)
+            if len(self.round) < self.trainers:
+                return done  # the trainer's rpc_sync waits until the last trainer has pushed
+            self._step(self.round)
+            waiting, self.round, self.waiting = self.waiting, [], []
+        for future in waiting:
+            future.set_result(self.version)
+        return done
+
+    def _step(self, gradients: list[list[torch.Tensor]]) -> None:
+        for p, *grads in zip(self.model.parameters(), *gradients):
+            p.grad = torch.stack(grads).mean(0)  # the average over trainers, as an all-reduce gives
+        self.optimizer.step()
+        self.version += 1
+
+
+def train_through_server(server_rref, trainer: int, trainers: int, steps: int, batch: int, width: int, slow: float) -> dict:
+    """Runs on a trainer: pull, compute a gradient on this trainer's batch, push; ``steps`` times."""
+    model = mlp(width)
+    started, losses = time.perf_counter(), []
+    for step in range(steps):
+        version, weights = server_rref.rpc_sync().pull()  # one round trip: the current weights
+        with torch.no_grad():
+            for p, w in zip(model.parameters(), weights):
+                p.copy_(w)
+        images, labels = _batch(step, trainer, trainers, batch)
+        model.zero_grad()
+        loss = F.cross_entropy(model(images), labels)
+        loss.backward()
+        time.sleep(slow)  # a slower machine, or a bigger batch
+        grads = [p.grad for p in model.parameters()]
+        rpc.rpc_sync(server_rref.owner(), ParameterServer.push, args=(server_rref, trainer, version, grads))
+        losses.append(loss.item())
+    return {"losses": losses, "seconds": time.perf_counter() - started}
+
+
+def _recorded(caught) -> list[str]:
+    return sorted({f"{w.category.__name__}: {w.message}" for w in caught})
+
+
+def _init_rpc(port: int) -> tuple[int, int]:
+    rank, world_size = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    name = "ps" if rank == 0 else f"trainer{rank}"
+    options = rpc.TensorPipeRpcBackendOptions(init_method=f"tcp://127.0.0.1:{port}", rpc_timeout=60)
+    rpc.init_rpc(name, rank=rank, world_size=world_size, rpc_backend_options=options)
+    return rank, world_size
+
+
+def parameter_server(port: int, mode: str = "sync", steps: int = 8, batch: int = 32, width: int = 32,
+                     lr: float = 0.5, slow: float = 0.0) -> dict | None:  # fmt: skip
+    """Rank function: rank 0 serves, the others train. ``slow`` seconds are added to the last
+    trainer's every step. Returns, on rank 0, the final weights, each trainer's losses and
+    time, and the staleness of every push."""
+    _batch(0, 1, 1, batch)  # load the digits first: then init_rpc, which waits for all, starts every clock together
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        rank, world_size = _init_rpc(port)
+        result = _serve_or_train(rank, world_size, mode, steps, batch, width, lr, slow)
+        rpc.shutdown()  # waits until every process has finished its outstanding RPCs
+    return {**(result or {}), "warnings": _recorded(caught)}
+
+
+def _serve_or_train(rank, world_size, mode, steps, batch, width, lr, slow) -> dict | None:
+    result = None
+    if rank == 0:
+        trainers = world_size - 1
+        server = ParameterServer(mode, trainers, width, lr)
+        server_rref = rpc.RRef(server)  # owned here; trainers receive a reference to it
+        futures = [
+            rpc.rpc_async(
+                f"trainer{t}",
+                train_through_server,
+                args=(server_rref, t, trainers, steps, batch, width, slow if t == trainers else 0.0),
+            )
+            for t in range(1, trainers + 1)
+        ]
+        per_trainer = [f.wait() for f in futures]
+        result = {
+            "params": [p.detach().clone() for p in server.model.parameters()],
+            "trainers": per_trainer,
+            "staleness": server.staleness,
+            "steps taken": server.version,
+        }
+    return result
+
+
+# --------------------------------------------------------------------------------------
+# 2. Remote forward, distributed autograd, DistributedOptimizer
+# --------------------------------------------------------------------------------------
+
+
+class RemoteModel:
+    """The server side of the second style: a model whose forward trainers call through an RRef."""
+
+    def __init__(self, width: int):
+        self.model = mlp(width)
+
+    def forward(self, images: torch.Tensor) -> torch.Tensor:
+        return self.model(images)
+
+    def parameter_rrefs(self) -> list:
+        return [rpc.RRef(p) for p in self.model.parameters()]
+
+    def weights(self) -> list[torch.Tensor]:
+        return [p.detach().clone() for p in self.model.parameters()]
+
+
+def remote_autograd(port: int, steps: int = 8, batch: int = 32, width: int = 32, lr: float = 0.5) -> dict | None:
+    """Rank function on 2 ranks: rank 0 owns the model, rank 1 trains it remotely.
+
+    The forward runs on rank 0; the loss is computed on rank 1; ``dist_autograd.backward``
+    follows the RPC back to rank 0, where the gradients stay, kept per autograd context (two
+    trainers' backward passes never mix). ``DistributedOptimizer`` then steps the parameters
+    where they live. Returns, on rank 1, the final weights; on both, the warnings raised.
+    """
+    if int(os.environ["WORLD_SIZE"]) != 2:
+        raise ValueError(f"remote_autograd runs on 2 ranks, got {os.environ['WORLD_SIZE']}")
+    with warnings.catch_warnings(record=True) as caught:  # on both: the optimizer warns where it is created
+        warnings.simplefilter("always")
+        rank, _ = _init_rpc(port)
+        result = _train_remotely(steps, batch, width, lr) if rank == 1 else {}
+        rpc.shutdown()
+    return {**result, "warnings": _recorded(caught)}
+
+
+def _train_remotely(steps: int, batch: int, width: int, lr: float) -> dict:
+    import torch.distributed.autograd as dist_autograd
+    from torch.distributed.optim import DistributedOptimizer
+
+    model_rref = rpc.remote("ps", RemoteModel, args=(width,))  # created on the server, owned there
+    optimizer = DistributedOptimizer(torch.optim.SGD, model_rref.rpc_sync().parameter_rrefs(), lr=lr)
+    losses = []
+    for step in range(steps):
+        images, labels = _batch(step, 1, 1, batch)
+        with dist_autograd.context() as context_id:
+            logits = model_rref.rpc_sync().forward(images)  # recorded: a send here, a recv there
+            loss = F.cross_entropy(logits, labels)
+            dist_autograd.backward(context_id, [loss])  # runs backward on both processes
+            optimizer.step(context_id)  # on the server, with this context's gradients
+        losses.append(loss.item())
+    return {"params": model_rref.rpc_sync().weights(), "losses": losses}
+
+
+# --------------------------------------------------------------------------------------
+# 3. The same synchronous training with a collective
+# --------------------------------------------------------------------------------------
+
+
+def allreduce_training(steps: int = 8, batch: int = 32, width: int = 32, lr: float = 0.5) -> dict:
+    """Rank function: every rank a trainer, gradients averaged by ``all_reduce`` (DDP by hand).
+
+    Returns the final weights and the seconds per step (after the first), for comparison with
+    the parameter server on the same data.
+    """
+    rank, world_size = dist.get_rank(), dist.get_world_size()
+    model = mlp(width)
+    optimizer = torch.optim.SGD(model.parameters(), lr=lr)
+    times = []
+    for step in range(steps):
+        started = time.perf_counter()
+        images, labels = _batch(step, rank + 1, world_size, batch)
+        optimizer.zero_grad()
+        F.cross_entropy(model(images), labels).backward()
+        for p in model.parameters():
+            dist.all_reduce(p.grad)
+            p.grad /= world_size
+        optimizer.step()
+        times.append(time.perf_counter() - started)
+    return {"params": [p.detach().clone() for p in model.parameters()], "step seconds": times}
+
+
+def traffic(params: int, trainers: int, bytes_per_value: int = 4) -> dict:
+    """Bytes per synchronous step: through the server's link, and per rank of a ring all-reduce."""
+    p = params * bytes_per_value
+    return {
+        "server (in + out)": 2 * trainers * p,  # every trainer's gradient in, the weights out to each
+        "each trainer": 2 * p,
+        "each rank, ring all-reduce": 2 * (trainers - 1) / trainers * p * 2,  # sent + received
+    }
