@@ -33,7 +33,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from torch.utils.data import DataLoader, Dataset, DistributedSampler
-from tqdm.auto import tqdm
+from tqdm import tqdm  # the console bar: the script runs in terminals and log files
 
 from . import checkpoints
 from .common.models import gpt
@@ -86,8 +86,9 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 
 def corpus_text(path: pathlib.Path) -> str:
-    """The text to train on: a text file, or every notebook's markdown cells and every
-    ``.md``/``.txt`` file in a folder (sorted by name, so every rank reads the same corpus)."""
+    """The text to train on: a text file, or the markdown cells of every notebook (but the
+    first: its title, badge and links) and every ``.md``/``.txt`` file in a folder (sorted by
+    name, so every rank reads the same corpus)."""
     path = pathlib.Path(path)
     if not path.exists():
         raise FileNotFoundError(
@@ -98,7 +99,7 @@ def corpus_text(path: pathlib.Path) -> str:
     for f in files:
         if f.suffix == ".ipynb":
             cells = json.loads(f.read_text(encoding="utf-8"))["cells"]
-            parts += ["".join(c["source"]) for c in cells if c["cell_type"] == "markdown"]
+            parts += ["".join(c["source"]) for c in cells[1:] if c["cell_type"] == "markdown"]
         else:
             parts.append(f.read_text(encoding="utf-8"))
     text = "\n\n".join(parts)
@@ -162,7 +163,7 @@ def build_model(args, device: torch.device, world_size: int):
     if not dist.is_initialized():
         if args.tp > 1:
             raise ValueError(f"--tp {args.tp} needs {args.tp} or more ranks: start the script with torchrun")
-        return _checkpointed(model, args), 1, 0
+        return checkpoint_blocks(model) if args.activation_checkpointing else model, 1, 0
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
     from torch.distributed.tensor.parallel import parallelize_module
@@ -174,19 +175,21 @@ def build_model(args, device: torch.device, world_size: int):
     # activation checkpointing around each block, then FSDP2 around the checkpointed blocks.
     if args.tp > 1:
         parallelize_module(model, mesh["tp"], tp_plan(model))
-    model = _checkpointed(model, args)
+    if args.activation_checkpointing:
+        model = checkpoint_blocks(model)
     for block in model.layers:
         fully_shard(block, mesh=mesh["dp"])  # one all-gather per block, freed after use
     fully_shard(model, mesh=mesh["dp"])  # embedding, final norm and output
     return model, mesh["dp"].size(), mesh["dp"].get_local_rank()
 
 
-def _checkpointed(model, args):
-    if args.activation_checkpointing:
-        from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
+def checkpoint_blocks(model):
+    """Activation checkpointing per block (torchtitan's ``checkpoint_wrapper``): backward keeps
+    only each block's input and runs the block's forward again to get the rest."""
+    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
 
-        for i, block in enumerate(model.layers):
-            model.layers[i] = checkpoint_wrapper(block)  # keeps only each block's input for backward
+    for i, block in enumerate(model.layers):
+        model.layers[i] = checkpoint_wrapper(block)
     return model
 
 
@@ -369,7 +372,7 @@ def train(args, rank: int, world_size: int, device: torch.device) -> dict:
         result["sample"] = text
         if args.out:
             (args.out / "sample.txt").write_text(text, encoding="utf-8")
-        say(rank, "result " + json.dumps(result))
+        say(rank, "result " + json.dumps({k: v for k, v in result.items() if k not in ("loss", "held-out")}))
     return result
 
 

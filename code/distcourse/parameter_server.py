@@ -70,10 +70,13 @@ class ParameterServer:
         self.version = 0  # steps taken so far
         self.staleness = {t: [] for t in range(1, trainers + 1)}  # per push: steps taken since its pull
         self.round, self.waiting = [], []
+        self.bytes = {"in": 0, "out": 0}  # tensor payload through the server: gradients in, weights out
 
     def pull(self) -> tuple[int, list[torch.Tensor]]:
         with self.lock:
-            return self.version, [p.detach().clone() for p in self.model.parameters()]
+            weights = [p.detach().clone() for p in self.model.parameters()]
+            self.bytes["out"] += sum(w.numel() * w.element_size() for w in weights)
+            return self.version, weights
 
     @staticmethod
     @rpc.functions.async_execution
@@ -83,6 +86,7 @@ class ParameterServer:
         done = torch.futures.Future()
         with self.lock:
             self.staleness[trainer].append(self.version - version)
+            self.bytes["in"] += sum(g.numel() * g.element_size() for g in grads)
             if self.mode == "async":
                 self._step([grads])
                 done.set_result(self.version)
@@ -170,6 +174,7 @@ def _serve_or_train(rank, world_size, mode, steps, batch, width, lr, slow) -> di
             "trainers": per_trainer,
             "staleness": server.staleness,
             "steps taken": server.version,
+            "bytes": server.bytes,
         }
     return result
 
@@ -259,11 +264,6 @@ def allreduce_training(steps: int = 8, batch: int = 32, width: int = 32, lr: flo
     return {"params": [p.detach().clone() for p in model.parameters()], "step seconds": times}
 
 
-def traffic(params: int, trainers: int, bytes_per_value: int = 4) -> dict:
-    """Bytes per synchronous step: through the server's link, and per rank of a ring all-reduce."""
-    p = params * bytes_per_value
-    return {
-        "server (in + out)": 2 * trainers * p,  # every trainer's gradient in, the weights out to each
-        "each trainer": 2 * p,
-        "each rank, ring all-reduce": 2 * (trainers - 1) / trainers * p * 2,  # sent + received
-    }
+def ring_bytes(params: int, ranks: int, bytes_per_value: int = 4) -> float:
+    """Bytes each rank sends in a ring all-reduce of ``params`` values (chapter 03): 2 (n-1)/n of them."""
+    return 2 * (ranks - 1) / ranks * params * bytes_per_value

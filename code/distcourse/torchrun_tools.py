@@ -250,9 +250,11 @@ def slurm_dry_run(
     job_id: str = "4242",
     timeout: float = 10,
     srun_env: dict | None = None,
+    args=(),
 ) -> list[list[str]]:
     """Run the batch script with stand-ins for ``scontrol`` and ``srun``; return srun's argument lists.
 
+    ``args``: what follows the script's name on the ``sbatch`` command line.
     The stand-ins answer ``scontrol show hostnames`` with ``nodes`` and record every srun
     call instead of starting anything, so the test sees the exact commands a cluster would get.
     ``srun_env``: a dict whose keys name variables; filled with their values as srun saw them
@@ -283,7 +285,7 @@ def slurm_dry_run(
             "CKPT_DIR": str(pathlib.Path(tmp, "ckpt")),
         }
         subprocess.run(
-            ["bash", str(script)], env=env, cwd=tmp, check=True, timeout=timeout, capture_output=True, text=True
+            ["bash", str(script), *map(str, args)], env=env, cwd=tmp, check=True, timeout=timeout, capture_output=True, text=True
         )
         calls = [json.loads(line) for line in log.read_text().splitlines()] if log.exists() else []
         for name in srun_env or {}:

@@ -28,7 +28,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
-from tqdm.auto import tqdm
+from tqdm import tqdm  # the console bar: the script runs in terminals and log files
 
 from . import checkpoints
 

@@ -1,4 +1,4 @@
-"""Self-checks for the chapters' exercises, one module per chapter (``ch01`` ... ``ch08``).
+"""Self-checks for the chapters' exercises, one module per chapter (``ch01`` ... ``ch12``).
 
 Each check prints a verdict a learner can act on, in the notebook's language (``tr``),
 and returns True or False.
