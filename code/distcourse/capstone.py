@@ -28,6 +28,7 @@ import os
 import pathlib
 import signal
 import time
+import warnings
 
 import torch
 import torch.distributed as dist
@@ -277,6 +278,8 @@ def train(args, rank: int, world_size: int, device: torch.device) -> dict:
     # Checkpoints go through a gloo group of their own: on GPUs that keeps the background
     # save's collectives off NCCL, whose order on the training stream must not interleave.
     ckpt_group = dist.new_group(backend="gloo") if dist.is_initialized() else None
+    if ckpt_group is None:  # DCP warns that it saves without a process group: one process is what we mean
+        warnings.filterwarnings("ignore", message="torch.distributed is disabled", category=UserWarning)
 
     start, resumed_from, incomplete = latest_complete(args.ckpt_dir)
     if resumed_from is not None:
@@ -284,7 +287,9 @@ def train(args, rank: int, world_size: int, device: torch.device) -> dict:
 
     dataset = Windows(train_bytes, args.seq_len, args.limit_windows)
     # Every rank of one tp group reads the same samples: the sampler shards over "dp" only.
-    sampler = ResumableSampler(dataset, num_replicas=dp_size, rank=dp_rank, shuffle=True, seed=args.seed, drop_last=True)
+    sampler = ResumableSampler(
+        dataset, num_replicas=dp_size, rank=dp_rank, shuffle=True, seed=args.seed, drop_last=True
+    )
     per_epoch = len(sampler) // args.batch_size
     if per_epoch < 1:
         raise ValueError(f"{len(dataset)} windows give no batch of {args.batch_size} on each of {dp_size} ranks")
@@ -308,7 +313,10 @@ def train(args, rank: int, world_size: int, device: torch.device) -> dict:
             f"{len(held_bytes):,} bytes, {per_epoch} steps per epoch, {args.workers} loader worker(s) per rank",
         )
         if resumed_from is not None:
-            say(rank, f"resumed from {resumed_from.name}" + (f"; incomplete, ignored: {incomplete}" if incomplete else ""))
+            say(
+                rank,
+                f"resumed from {resumed_from.name}" + (f"; incomplete, ignored: {incomplete}" if incomplete else ""),
+            )
         if args.out:
             args.out.mkdir(parents=True, exist_ok=True)
 
@@ -409,7 +417,9 @@ def evaluate(model, held_out: Windows, args, dp_size: int, dp_rank: int, device,
         batch = [held_out[i] for i in mine[first : first + args.batch_size]]
         inputs, targets = (torch.stack(t).to(device) for t in zip(*batch))
         with amp:
-            total += torch.stack([loss_of(model, inputs, targets) * len(batch), torch.tensor(len(batch), device=device)])
+            total += torch.stack(
+                [loss_of(model, inputs, targets) * len(batch), torch.tensor(len(batch), device=device)]
+            )
     if dist.is_initialized():
         dist.all_reduce(total)
         total /= args.tp  # each tp peer counted the same batches

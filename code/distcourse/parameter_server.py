@@ -13,8 +13,10 @@ pushes it back, through an ``RRef`` (a remote reference) to the server object.
   its RRef, distributed autograd records the calls across processes, and
   ``DistributedOptimizer`` steps the server's parameters through RRefs to them.
 
-Rank functions are started with ``launch(..., init_process_group=False)``: RPC makes its own
-connections (TensorPipe) at the address given by ``init_method``.
+RPC makes its own connections (TensorPipe), meeting at the address given by ``init_method``.
+The launcher's process group serves one purpose here: a barrier after ``rpc.shutdown()``, so
+that rank 0, which hosts RPC's rendezvous store, does not exit while the others still talk to
+it (a "connection reset by peer" in their shutdown otherwise).
 """
 
 from __future__ import annotations
@@ -72,6 +74,22 @@ class ParameterServer:
         self.round, self.waiting = [], []
         self.bytes = {"in": 0, "out": 0}  # tensor payload through the server: gradients in, weights out
 
+    @staticmethod
+    @rpc.functions.async_execution
+    def start(server_rref) -> torch.futures.Future:
+        """Runs on the server: completes when every trainer has called it (a barrier), so that
+        all trainers start their clocks and their first pull together."""
+        self = server_rref.local_value()
+        arrived = torch.futures.Future()
+        with self.lock:
+            self.waiting.append(arrived)
+            if len(self.waiting) < self.trainers:
+                return arrived
+            waiting, self.waiting = self.waiting, []
+        for future in waiting:
+            future.set_result(None)
+        return arrived
+
     def pull(self) -> tuple[int, list[torch.Tensor]]:
         with self.lock:
             weights = [p.detach().clone() for p in self.model.parameters()]
@@ -108,10 +126,13 @@ class ParameterServer:
         self.version += 1
 
 
-def train_through_server(server_rref, trainer: int, trainers: int, steps: int, batch: int, width: int, slow: float) -> dict:
+def train_through_server(
+    server_rref, trainer: int, trainers: int, steps: int, batch: int, width: int, delay: float
+) -> dict:
     """Runs on a trainer: pull, compute a gradient on this trainer's batch, push; ``steps`` times."""
     model = mlp(width)
-    started, losses = time.perf_counter(), []
+    rpc.rpc_sync(server_rref.owner(), ParameterServer.start, args=(server_rref,))
+    started, losses, waits = time.perf_counter(), [], []
     for step in range(steps):
         version, weights = server_rref.rpc_sync().pull()  # one round trip: the current weights
         with torch.no_grad():
@@ -121,15 +142,23 @@ def train_through_server(server_rref, trainer: int, trainers: int, steps: int, b
         model.zero_grad()
         loss = F.cross_entropy(model(images), labels)
         loss.backward()
-        time.sleep(slow)  # a slower machine, or a bigger batch
+        time.sleep(delay)  # extra work per step: a slower machine, or a bigger batch
         grads = [p.grad for p in model.parameters()]
+        pushed = time.perf_counter()
         rpc.rpc_sync(server_rref.owner(), ParameterServer.push, args=(server_rref, trainer, version, grads))
+        waits.append(time.perf_counter() - pushed)  # the round trip, plus the wait for the round (sync)
         losses.append(loss.item())
-    return {"losses": losses, "seconds": time.perf_counter() - started}
+    return {"losses": losses, "seconds": time.perf_counter() - started, "push seconds": waits}
 
 
 def _recorded(caught) -> list[str]:
     return sorted({f"{w.category.__name__}: {w.message}" for w in caught})
+
+
+def _shutdown() -> None:
+    rpc.shutdown()  # waits until every process has finished its outstanding RPCs
+    if dist.is_initialized():
+        dist.barrier()  # nobody exits, taking the rendezvous store with it, before all are done
 
 
 def _init_rpc(port: int) -> tuple[int, int]:
@@ -141,20 +170,20 @@ def _init_rpc(port: int) -> tuple[int, int]:
 
 
 def parameter_server(port: int, mode: str = "sync", steps: int = 8, batch: int = 32, width: int = 32,
-                     lr: float = 0.5, slow: float = 0.0) -> dict | None:  # fmt: skip
-    """Rank function: rank 0 serves, the others train. ``slow`` seconds are added to the last
-    trainer's every step. Returns, on rank 0, the final weights, each trainer's losses and
-    time, and the staleness of every push."""
+                     lr: float = 0.5, delays: tuple = ()) -> dict | None:  # fmt: skip
+    """Rank function: rank 0 serves, the others train. ``delays``: seconds added to every step
+    of trainer 1, 2, ... (none by default). Returns, on rank 0, the final weights, each
+    trainer's losses and time, the staleness of every push and the bytes through the server."""
     _batch(0, 1, 1, batch)  # load the digits first: then init_rpc, which waits for all, starts every clock together
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         rank, world_size = _init_rpc(port)
-        result = _serve_or_train(rank, world_size, mode, steps, batch, width, lr, slow)
-        rpc.shutdown()  # waits until every process has finished its outstanding RPCs
+        result = _serve_or_train(rank, world_size, mode, steps, batch, width, lr, delays)
+        _shutdown()
     return {**(result or {}), "warnings": _recorded(caught)}
 
 
-def _serve_or_train(rank, world_size, mode, steps, batch, width, lr, slow) -> dict | None:
+def _serve_or_train(rank, world_size, mode, steps, batch, width, lr, delays) -> dict | None:
     result = None
     if rank == 0:
         trainers = world_size - 1
@@ -164,7 +193,7 @@ def _serve_or_train(rank, world_size, mode, steps, batch, width, lr, slow) -> di
             rpc.rpc_async(
                 f"trainer{t}",
                 train_through_server,
-                args=(server_rref, t, trainers, steps, batch, width, slow if t == trainers else 0.0),
+                args=(server_rref, t, trainers, steps, batch, width, delays[t - 1] if delays else 0.0),
             )
             for t in range(1, trainers + 1)
         ]
@@ -214,7 +243,7 @@ def remote_autograd(port: int, steps: int = 8, batch: int = 32, width: int = 32,
         warnings.simplefilter("always")
         rank, _ = _init_rpc(port)
         result = _train_remotely(steps, batch, width, lr) if rank == 1 else {}
-        rpc.shutdown()
+        _shutdown()
     return {**result, "warnings": _recorded(caught)}
 
 
@@ -256,9 +285,11 @@ def allreduce_training(steps: int = 8, batch: int = 32, width: int = 32, lr: flo
         images, labels = _batch(step, rank + 1, world_size, batch)
         optimizer.zero_grad()
         F.cross_entropy(model(images), labels).backward()
-        for p in model.parameters():
-            dist.all_reduce(p.grad)
-            p.grad /= world_size
+        grads = [p.grad for p in model.parameters()]
+        flat = torch.cat([g.flatten() for g in grads])  # one bucket, as DDP would send it
+        dist.all_reduce(flat)
+        for g, average in zip(grads, (flat / world_size).split([g.numel() for g in grads])):
+            g.copy_(average.view_as(g))
         optimizer.step()
         times.append(time.perf_counter() - started)
     return {"params": [p.detach().clone() for p in model.parameters()], "step seconds": times}

@@ -285,7 +285,13 @@ def slurm_dry_run(
             "CKPT_DIR": str(pathlib.Path(tmp, "ckpt")),
         }
         subprocess.run(
-            ["bash", str(script), *map(str, args)], env=env, cwd=tmp, check=True, timeout=timeout, capture_output=True, text=True
+            ["bash", str(script), *map(str, args)],
+            env=env,
+            cwd=tmp,
+            check=True,
+            timeout=timeout,
+            capture_output=True,
+            text=True,
         )
         calls = [json.loads(line) for line in log.read_text().splitlines()] if log.exists() else []
         for name in srun_env or {}:

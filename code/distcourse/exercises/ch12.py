@@ -62,7 +62,6 @@ def check_server_bytes(server_bytes) -> bool:
         parameter_server.parameter_server,
         world_size=3,
         kwargs={"port": free_port(), "mode": "sync", "steps": steps, "width": width},
-        init_process_group=False,
         quiet=True,
     )[0]
     measured = (result["bytes"]["in"] + result["bytes"]["out"]) / steps
@@ -73,4 +72,6 @@ def check_server_bytes(server_bytes) -> bool:
         return verdict([tr("{call} raised {error}").format(call=call, error=repr(exc))], "")
     problems = [] if answer == measured else [tr("{call} = {answer}, measured {measured}").format(
         call=call, answer=answer, measured=int(measured))]  # fmt: skip
-    return verdict(problems, tr("Correct: {measured} bytes per step through the server.").format(measured=int(measured)))
+    return verdict(
+        problems, tr("Correct: {measured} bytes per step through the server.").format(measured=int(measured))
+    )

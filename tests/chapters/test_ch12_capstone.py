@@ -1,0 +1,234 @@
+"""Chapter 12: the capstone script (data, sampler, checkpoints, exact resume, layouts) and the
+RPC parameter server."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+import distcourse
+from distcourse import capstone, parameter_server, torchrun_tools
+from distcourse.exercises import ch12
+
+QUICK = ["--steps", "6", "--log-every", "2", "--eval-every", "3", "--eval-batches", "1", "--workers", "0"]
+QUICK += ["--progress", "off", "--sample-bytes", "8", "--limit-windows", "40"]
+
+
+# --------------------------------------------------------------------------------------
+# Data
+# --------------------------------------------------------------------------------------
+
+
+def test_corpus_is_the_course_prose_and_splits_in_two():
+    text = capstone.corpus_text(capstone.COURSE_CHAPTERS)
+    train, held = capstone.split_corpus(text, 0.1)
+    assert "## What you will learn" in text and "[![Open In Colab]" not in text  # no header cells
+    assert len(train) + len(held) == len(text.encode("utf-8")) and abs(len(held) / len(text.encode()) - 0.1) < 0.01
+
+
+def test_missing_or_empty_corpus_is_a_clear_error(tmp_path):
+    with pytest.raises(FileNotFoundError, match="no corpus at .*pass --corpus"):
+        capstone.corpus_text(tmp_path / "nowhere.txt")
+    (tmp_path / "empty.txt").write_text("  \n")
+    with pytest.raises(ValueError, match="holds no text"):
+        capstone.corpus_text(tmp_path / "empty.txt")
+    with pytest.raises(ValueError, match="--held-out must be between 0 and 1"):
+        capstone.split_corpus("some text", 1.5)
+
+
+def test_windows_give_inputs_and_targets_one_byte_later():
+    data = torch.arange(100, dtype=torch.uint8)
+    windows = capstone.Windows(data, seq_len=8)
+    inputs, targets = windows[3]
+    assert len(windows) == 12 and inputs.tolist() == list(range(24, 32)) and targets.tolist() == list(range(25, 33))
+    assert len(capstone.Windows(data, seq_len=8, limit=5)) == 5
+    with pytest.raises(ValueError, match="hold no window"):
+        capstone.Windows(data[:5], seq_len=8)
+
+
+def test_resumable_sampler_continues_the_epoch_where_it_stopped():
+    dataset = capstone.Windows(torch.zeros(2000, dtype=torch.uint8), seq_len=8)
+    sampler = capstone.ResumableSampler(dataset, num_replicas=2, rank=1, seed=3, drop_last=True)
+    sampler.set_epoch(2)
+    full = list(sampler)
+    sampler.skip = 40
+    assert list(sampler) == full[40:] and len(sampler) == len(full) - 40
+    sampler.skip = 0
+    sampler.set_epoch(3)
+    assert list(sampler) != full  # set_epoch: a new order every epoch
+
+
+# --------------------------------------------------------------------------------------
+# Checkpoints and the script in one process
+# --------------------------------------------------------------------------------------
+
+
+def test_latest_complete_skips_a_save_cut_short(tmp_path):
+    for step, complete in ((10, True), (20, True), (30, False)):
+        folder = capstone.checkpoint_dir(tmp_path, step)
+        folder.mkdir()
+        (folder / "__0_0.distcp").write_bytes(b"x")
+        if complete:
+            (folder / ".metadata").write_bytes(b"x")
+    assert capstone.latest_complete(tmp_path) == (20, tmp_path / "step-000020", ["step-000030"])
+    assert capstone.latest_complete(tmp_path / "absent") == (0, None, [])
+
+
+def test_bad_arguments_fail_before_training():
+    with pytest.raises(SystemExit):
+        capstone.parse_args(["--steps", "0"])
+    with pytest.raises(ValueError, match="--tp 2 needs 2 or more ranks"):
+        capstone.main(["--tp", "2", *QUICK])
+
+
+def test_one_process_writes_metrics_final_weights_and_sample(tmp_path):
+    result = capstone.main([*QUICK, "--out", str(tmp_path)])
+    curves = capstone.read_metrics(tmp_path)
+    assert result["world size"] == 1 and result["precision"] == "fp32" and result["tokens per second"] > 0
+    assert sorted(curves["loss"]) == list(range(6)) and sorted(curves["held-out"]) == [3, 6]
+    assert {int(k): v for k, v in result["loss"].items()} == curves["loss"]
+    final = capstone.gpt(None, vocab=256)
+    final.load_state_dict(torch.load(tmp_path / "final.pt", weights_only=True))
+    assert capstone.generate(final, "Distributed training ", 8, context=64) == result["sample"]
+    assert (tmp_path / "sample.txt").read_text(encoding="utf-8") == result["sample"]
+
+
+def test_resume_from_a_checkpoint_gives_the_uninterrupted_curve(tmp_path):
+    whole = capstone.main([*QUICK, "--steps", "9", "--out", str(tmp_path / "whole")])
+    ckpt = ["--ckpt-dir", str(tmp_path / "ckpt"), "--save-every", "3"]
+    capstone.main([*QUICK, "--steps", "5", *ckpt, "--out", str(tmp_path / "cut")])  # saves steps 3; stops at 5
+    resumed = capstone.main([*QUICK, "--steps", "9", *ckpt, "--out", str(tmp_path / "cut")])
+    assert resumed["resumed from"] == 3
+    assert capstone.read_metrics(tmp_path / "cut")["loss"] == capstone.read_metrics(tmp_path / "whole")["loss"]
+    assert resumed["sample"] == whole["sample"]
+
+
+# --------------------------------------------------------------------------------------
+# Distributed layouts
+# --------------------------------------------------------------------------------------
+
+
+def test_fsdp_on_two_ranks_trains_what_one_process_trains():
+    one = capstone.main([*QUICK, "--batch-size", "8"])
+    two = distcourse.launch(capstone.main, 2, args=([*QUICK, "--batch-size", "4"],), quiet=True)
+    assert two[0]["dp"] == two[1]["dp"] == 2
+    assert max(abs(two[0]["loss"][s] - one["loss"][s]) for s in one["loss"]) < 1e-5
+    assert "sample" not in two[1]  # only rank 0 generates and reports
+
+
+@pytest.mark.slow
+def test_tensor_parallel_mesh_and_activation_checkpointing_train_the_same_model():
+    reference = distcourse.launch(capstone.main, 4, args=([*QUICK, "--batch-size", "2"],), quiet=True)[0]
+    mesh = distcourse.launch(capstone.main, 4, args=([*QUICK, "--batch-size", "4", "--tp", "2"],), quiet=True)[0]
+    checkpointed = distcourse.launch(
+        capstone.main, 4, args=([*QUICK, "--batch-size", "2", "--activation-checkpointing"],), quiet=True
+    )[0]
+    assert (mesh["dp"], mesh["tp"]) == (2, 2)
+    assert max(abs(mesh["loss"][s] - reference["loss"][s]) for s in reference["loss"]) < 1e-5
+    assert checkpointed["loss"] == reference["loss"]
+
+
+def test_tensor_parallel_degree_must_divide_the_ranks():
+    with pytest.raises(distcourse.RankFailed, match="must divide the world size"):
+        distcourse.launch(capstone.main, 2, args=([*QUICK, "--tp", "3"],), quiet=True)
+
+
+@pytest.mark.slow
+def test_torchrun_kill_and_restart_resumes_exactly(tmp_path):
+    common = [*QUICK, "--steps", "8", "--log-every", "1"]
+    plain = torchrun_tools.run(
+        torchrun_tools.torchrun(
+            "--standalone",
+            "--nproc-per-node=2",
+            module="distcourse.capstone",
+            script_args=[*common, "--out", tmp_path / "a"],
+        ),
+        timeout=120,
+    )
+    killed = torchrun_tools.run(
+        torchrun_tools.torchrun(
+            "--standalone",
+            "--nproc-per-node=2",
+            "--max-restarts=1",
+            module="distcourse.capstone",
+            script_args=[*common, "--out", tmp_path / "b", "--ckpt-dir", tmp_path / "b" / "ckpt", "--save-every", "3"]
+            + ["--kill-at", "5"],
+        ),
+        timeout=120,
+    )
+    assert killed.ranks[1] == ["killed at step 5"] and "resumed from step-000003" in killed.ranks[0]
+    assert capstone.read_metrics(tmp_path / "a") == capstone.read_metrics(tmp_path / "b")
+    assert plain.json(0, "result")["sample"] == killed.json(0, "result")["sample"]
+
+
+def test_slurm_script_runs_the_module_it_is_given():
+    (call,) = torchrun_tools.slurm_dry_run(args=["-m", "distcourse.capstone", "--steps", "7"])
+    assert call[call.index("-m") :] == ["-m", "distcourse.capstone", "--steps", "7"]
+    (default,) = torchrun_tools.slurm_dry_run()
+    assert default[default.index("-m") + 1] == "distcourse.train"
+
+
+# --------------------------------------------------------------------------------------
+# RPC
+# --------------------------------------------------------------------------------------
+
+
+def _gap(a, b) -> float:
+    return max((x - y).abs().max().item() for x, y in zip(a, b))
+
+
+def test_synchronous_parameter_server_equals_one_process():
+    result = distcourse.launch(
+        parameter_server.parameter_server, 3, kwargs={"port": torchrun_tools.free_port(), "steps": 4}, quiet=True
+    )[0]
+    reference = parameter_server.one_process(4, trainers=2, batch=32, width=32, lr=0.5)
+    params = sum(p.numel() for p in reference)
+    assert _gap(result["params"], reference) < 1e-6
+    assert result["bytes"] == {"in": 2 * 4 * params * 4, "out": 2 * 4 * params * 4}
+
+
+def test_allreduce_and_remote_autograd_equal_one_process():
+    allreduce = distcourse.launch(parameter_server.allreduce_training, 2, kwargs={"steps": 4}, quiet=True)[0]
+    remote = distcourse.launch(
+        parameter_server.remote_autograd, 2, kwargs={"port": torchrun_tools.free_port(), "steps": 4}, quiet=True
+    )
+    assert _gap(allreduce["params"], parameter_server.one_process(4, 2, 32, 32, 0.5)) < 1e-6
+    assert _gap(remote[1]["params"], parameter_server.one_process(4, 1, 32, 32, 0.5)) < 1e-6
+    assert any("TorchScript" in w for w in remote[0]["warnings"])
+
+
+def test_parameter_server_refuses_what_it_cannot_run():
+    with pytest.raises(ValueError, match="mode must be 'sync' or 'async'"):
+        parameter_server.ParameterServer("sometimes", trainers=2, width=8, lr=0.1)
+    with pytest.raises(distcourse.RankFailed, match="remote_autograd runs on 2 ranks"):
+        distcourse.launch(parameter_server.remote_autograd, 3, kwargs={"port": torchrun_tools.free_port()}, quiet=True)
+
+
+def test_ring_bytes_is_chapter_03s_formula():
+    assert parameter_server.ring_bytes(1000, ranks=4) == 2 * 3 / 4 * 1000 * 4
+    assert parameter_server.ring_bytes(1000, ranks=1) == 0
+
+
+# --------------------------------------------------------------------------------------
+# Exercises
+# --------------------------------------------------------------------------------------
+
+
+def test_resume_point_check_accepts_the_answer_and_rejects_a_wrong_one():
+    assert ch12.check_resume_point(lambda step, per_epoch, batch: (step // per_epoch, step % per_epoch * batch))
+    assert not ch12.check_resume_point(lambda step, per_epoch, batch: (step // per_epoch, 0))
+    assert not ch12.check_resume_point(lambda step, per_epoch, batch: None)
+
+
+@pytest.mark.slow
+def test_server_bytes_check_uses_a_real_server():
+    assert ch12.check_server_bytes(lambda params, trainers: 2 * trainers * params * 4)
+    assert not ch12.check_server_bytes(lambda params, trainers: trainers * params * 4)
+
+
+def test_result_line_is_json_without_the_curves(capsys):
+    capstone.main(QUICK)
+    line = [x for x in capsys.readouterr().out.splitlines() if x.startswith("[rank 0] result ")][0]
+    assert "loss" not in json.loads(line.split("result ", 1)[1])
