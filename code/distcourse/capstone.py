@@ -359,10 +359,10 @@ def train(args, rank: int, world_size: int, device: torch.device) -> dict:
                 saving = save(args.ckpt_dir, step, model, optimizer, ckpt_group, saving, args.sync_save)
             if step == args.steps:
                 break
+    seconds = time.perf_counter() - timed[0] if timed else float("nan")  # the last flush waited for the GPU
     bar.close()
     if saving is not None:
         saving.result()  # the last asynchronous save must finish before the process ends
-    seconds = time.perf_counter() - timed[0] if timed else float("nan")
     result = {
         "world size": world_size,
         "dp": dp_size,
@@ -408,10 +408,16 @@ def write(out: pathlib.Path | None, record: dict) -> None:
 
 @torch.no_grad()
 def evaluate(model, held_out: Windows, args, dp_size: int, dp_rank: int, device, amp) -> float:
-    """Mean loss on the first ``eval_batches`` batches of held-out text, shared among dp ranks."""
+    """Mean loss on the first ``eval_batches`` batches of held-out text, shared among dp ranks.
+
+    Every rank gets the same number of windows: under FSDP2 each forward is a collective, and
+    a rank with one batch more would wait for the others forever.
+    """
     model.eval()
-    count = min(len(held_out), args.eval_batches * args.batch_size * dp_size)
-    mine = range(dp_rank, count, dp_size)
+    per_rank = min(len(held_out) // dp_size, args.eval_batches * args.batch_size)
+    if per_rank < 1:
+        raise ValueError(f"{len(held_out)} held-out windows cannot be shared by {dp_size} ranks: raise --held-out")
+    mine = range(dp_rank, per_rank * dp_size, dp_size)
     total = torch.zeros(2, device=device)
     for first in range(0, len(mine), args.batch_size):
         batch = [held_out[i] for i in mine[first : first + args.batch_size]]
