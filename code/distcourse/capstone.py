@@ -195,8 +195,9 @@ def checkpoint_blocks(model):
 
 
 def autocast(device: torch.device, precision: str):
-    """bf16 autocast where it pays: on GPUs with bf16 matrix units. On a CPU without them
-    (this course's laptop case) bf16 matmuls are emulated and slower: chapter 09 measured it."""
+    """bf16 autocast where it pays: on GPUs, whose matrix units run bf16 faster than fp32. On a
+    CPU the conversions to and from bf16 often cost more than they save (chapter 12, part 2,
+    measures the ratio on the machine it runs on)."""
     if precision == "auto":
         precision = "bf16" if device.type == "cuda" and torch.cuda.is_bf16_supported() else "fp32"
     return torch.autocast(device.type, dtype=torch.bfloat16, enabled=precision == "bf16"), precision
