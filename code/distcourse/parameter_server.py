@@ -33,6 +33,7 @@ from torch.distributed import rpc
 
 from .common.datasets import digits_batch
 from .common.models import mlp
+from .common.training import average_gradients
 
 
 def _batch(step: int, trainer: int, trainers: int, batch: int):
@@ -285,16 +286,7 @@ def allreduce_training(steps: int = 8, batch: int = 32, width: int = 32, lr: flo
         images, labels = _batch(step, rank + 1, world_size, batch)
         optimizer.zero_grad()
         F.cross_entropy(model(images), labels).backward()
-        grads = [p.grad for p in model.parameters()]
-        flat = torch.cat([g.flatten() for g in grads])  # one bucket, as DDP would send it
-        dist.all_reduce(flat)
-        for g, average in zip(grads, (flat / world_size).split([g.numel() for g in grads])):
-            g.copy_(average.view_as(g))
+        average_gradients(model)  # one bucket, as DDP would send it
         optimizer.step()
         times.append(time.perf_counter() - started)
     return {"params": [p.detach().clone() for p in model.parameters()], "step seconds": times}
-
-
-def ring_bytes(params: int, ranks: int, bytes_per_value: int = 4) -> float:
-    """Bytes each rank sends in a ring all-reduce of ``params`` values (chapter 03): 2 (n-1)/n of them."""
-    return 2 * (ranks - 1) / ranks * params * bytes_per_value

@@ -20,7 +20,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from .common.models import mlp
-from .common.training import wrap_ddp
+from .common.training import average_gradients, wrap_ddp
 from .runtime.hardware import rank_device
 
 PHASES = ("data", "compute", "all-reduce")
@@ -49,13 +49,7 @@ def straggler_times(slow_rank: int = 1, extra: float = 0.02, steps: int = 6) -> 
             optimizer.zero_grad()
             F.cross_entropy(model(x.to(device)), y.to(device)).backward()
         t2 = time.perf_counter()
-        grads = [p.grad for p in model.parameters()]
-        flat = torch.cat([g.flatten() for g in grads])  # one all-reduce for all, as one DDP bucket
-        dist.all_reduce(flat)
-        for g, averaged in zip(
-            grads, torch._utils._unflatten_dense_tensors(flat / dist.get_world_size(), grads), strict=True
-        ):
-            g.copy_(averaged)
+        average_gradients(model)  # one all-reduce for all, as one DDP bucket
         t3 = time.perf_counter()
         optimizer.step()
         if step:

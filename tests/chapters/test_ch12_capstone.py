@@ -9,7 +9,7 @@ import pytest
 import torch
 
 import distcourse
-from distcourse import capstone, parameter_server, torchrun_tools
+from distcourse import capstone, parameter_server, sharding, torchrun_tools
 from distcourse.exercises import ch12
 
 QUICK = ["--steps", "6", "--log-every", "2", "--eval-every", "3", "--eval-batches", "1", "--workers", "0"]
@@ -206,9 +206,9 @@ def test_parameter_server_refuses_what_it_cannot_run():
         distcourse.launch(parameter_server.remote_autograd, 3, kwargs={"port": torchrun_tools.free_port()}, quiet=True)
 
 
-def test_ring_bytes_is_chapter_03s_formula():
-    assert parameter_server.ring_bytes(1000, ranks=4) == 2 * 3 / 4 * 1000 * 4
-    assert parameter_server.ring_bytes(1000, ranks=1) == 0
+def test_ring_all_reduce_bytes_per_rank_is_chapter_03s_formula():
+    assert sharding.ring_traffic(1000, 4, stage=0) * 4 == 2 * 3 / 4 * 1000 * 4
+    assert sharding.ring_traffic(1000, 1, stage=0) == 0
 
 
 # --------------------------------------------------------------------------------------
