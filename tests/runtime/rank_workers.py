@@ -29,6 +29,11 @@ def threads_and_env():
     return torch.get_num_threads(), {k: os.environ[k] for k in keys}, os.getpid()
 
 
+def environment_seen(names):
+    """The variables ``names`` as this rank sees them (None when unset), and c10d's debug level."""
+    return {name: os.environ.get(name) for name in names}, str(dist.get_debug_level())
+
+
 def raise_on(rank_to_fail=1):
     if dist.get_rank() == rank_to_fail:
         raise ValueError(f"deliberate failure on rank {rank_to_fail}")

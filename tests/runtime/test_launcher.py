@@ -66,6 +66,37 @@ def test_threads_per_rank_and_environment(capsys):
     assert launch(w.threads_and_env, 2, threads=1, quiet=True)[0][0] == 1
 
 
+def test_environment_at_the_launch_call_reaches_every_rank(monkeypatch):
+    """Variables set after the fork server started reach the ranks, as under mp.spawn and torchrun."""
+    distcourse.warm_up()  # the fork server starts with the environment of this moment
+    names = ("DISTCOURSE_PROBE", "TORCH_DISTRIBUTED_DEBUG", "NCCL_DEBUG", "DISTCOURSE_EXTRA")
+    monkeypatch.setenv("DISTCOURSE_PROBE", "set after warm_up")
+    monkeypatch.setenv("TORCH_DISTRIBUTED_DEBUG", "DETAIL")
+    monkeypatch.setenv("NCCL_DEBUG", "INFO")
+    for seen, level in launch(w.environment_seen, 2, args=(names,), quiet=True):
+        assert seen == {
+            **dict.fromkeys(names),
+            "DISTCOURSE_PROBE": "set after warm_up",
+            "TORCH_DISTRIBUTED_DEBUG": "DETAIL",
+            "NCCL_DEBUG": "INFO",
+        }
+        assert level.endswith("DETAIL"), level  # applied before the process group was created
+
+    monkeypatch.delenv("NCCL_DEBUG")  # removing a variable removes it in the ranks too
+    monkeypatch.delenv("TORCH_DISTRIBUTED_DEBUG")
+    env = {"DISTCOURSE_EXTRA": "one launch only", "DISTCOURSE_PROBE": None}
+    for seen, level in launch(w.environment_seen, 2, args=(names,), env=env, quiet=True):
+        assert seen == {**dict.fromkeys(names), "DISTCOURSE_EXTRA": "one launch only"}
+        assert level.endswith("OFF"), level
+    assert "DISTCOURSE_EXTRA" not in os.environ and os.environ["DISTCOURSE_PROBE"] == "set after warm_up"
+
+
+@pytest.mark.parametrize("env", [{"A=B": "1"}, {"": "1"}, {"X": 1}])
+def test_bad_environment_is_refused_before_any_rank_starts(env):
+    with pytest.raises(ValueError, match="env"):
+        launch(w.rank_and_sum, 2, env=env, quiet=True)
+
+
 def test_every_launch_gets_fresh_processes_and_port():
     first = launch(w.threads_and_env, 2, quiet=True)
     second = launch(w.threads_and_env, 2, quiet=True)

@@ -1,5 +1,6 @@
-"""torchvision imports and works next to this machine's torch (see distcourse/vision_compat.py)."""
+"""torchvision imports and works next to this machine's torch (see distcourse/runtime/vision_compat.py)."""
 
+import os
 import subprocess
 import sys
 
@@ -21,3 +22,46 @@ print(distcourse.runtime.vision_compat.STATUS)
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
     assert result.returncode == 0, result.stderr
     assert result.stdout.strip()
+
+
+def test_no_fallback_when_torch_already_has_the_operators():
+    """torchvision 0.29 loads its own operators: a second definition would abort the interpreter.
+
+    Simulated here by registering ``torchvision::nms``/``qnms`` before the import, as
+    torchvision's own library does; the import must succeed and the fallback stay unused.
+    """
+    code = """
+import torch
+lib = torch.library.Library("torchvision", "DEF")
+for op in ("nms", "qnms"):
+    lib.define(op + "(Tensor dets, Tensor scores, float iou_threshold) -> Tensor")
+lib.impl("nms", lambda b, s, t: torch.arange(len(s)), "CPU")
+import distcourse, torchvision
+from distcourse.runtime import vision_compat
+assert vision_compat._LIB is None, "the fallback was defined beside existing operators"
+print(vision_compat.STATUS)
+"""
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert result.stdout.strip() == "torchvision's own operators loaded"
+
+
+def test_an_unrelated_import_error_is_not_hidden(tmp_path):
+    """Only the missing-operator error triggers the fallback; any other failure propagates."""
+    fake = tmp_path / "torchvision"
+    fake.mkdir()
+    (fake / "__init__.py").write_text("raise RuntimeError('something else is broken')\n")
+    code = """
+import distcourse
+try:
+    import torchvision
+except RuntimeError as exc:
+    assert "something else" in str(exc)
+    from distcourse.runtime import vision_compat
+    assert vision_compat._LIB is None
+    print("raised")
+"""
+    env = {**os.environ, "PYTHONPATH": str(tmp_path)}
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env)
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert result.stdout.strip() == "raised"

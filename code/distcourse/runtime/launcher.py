@@ -339,6 +339,26 @@ def _is_consequence(detail: str) -> bool:
     return any(marker in detail for marker in _PEER_LOST)
 
 
+def rank_environment(env: dict[str, str | None] | None = None) -> tuple[tuple[str, str], ...]:
+    """``os.environ`` now, with ``env`` applied: what the ranks of a launch start with.
+
+    Read at every launch, not when the fork server started: the fork server's own
+    environment is the one of the moment it was started (``warm_up()``, usually the
+    setup cell), and a variable set in the notebook after that would never reach a rank.
+    """
+    environ = dict(os.environ)
+    for key, value in (env or {}).items():
+        if not isinstance(key, str) or not key or "=" in key:
+            raise ValueError(f"env: variable names must be non-empty strings without '=', got {key!r}")
+        if value is None:
+            environ.pop(key, None)
+        elif isinstance(value, str):
+            environ[key] = value
+        else:
+            raise ValueError(f"env: the value of {key} must be a string or None (to remove it), got {value!r}")
+    return tuple(sorted(environ.items()))
+
+
 def _describe_exit(rank: int, exitcode) -> str:
     if exitcode is not None and exitcode < 0:
         try:
@@ -366,6 +386,7 @@ def launch(
     stream: bool = False,
     quiet: bool = False,
     share_tensors: bool = True,
+    env: dict[str, str | None] | None = None,
 ) -> Results:
     """Run ``fn(*args, **kwargs)`` on ``world_size`` new processes and return their results.
 
@@ -380,12 +401,17 @@ def launch(
     quiet: print nothing (results and errors are unchanged).
     share_tensors: return tensors through shared memory (default) or pickled
         through the pipe (slower for large tensors; kept for comparison).
+    env: variables for this launch only, on top of ``os.environ`` as it is now
+        (a value of None removes the variable). Every rank starts with that
+        environment, applied before its process group is created, so that
+        ``NCCL_*``, ``TORCH_DISTRIBUTED_DEBUG`` and the like take effect.
     """
     the_plan = hardware.plan(world_size, backend, threads)
     _check_importable(fn)
     timeout = _positive("timeout", timeout)
     collective_timeout = _positive("collective_timeout", timeout if collective_timeout is None else collective_timeout)
     payload = _dumps((fn, tuple(args), dict(kwargs or {})))
+    environ = rank_environment(env)
     output = RankOutput(world_size, quiet=quiet, stream=stream)
     output.say(f"launch: {the_plan.describe()}\n")
 
@@ -404,6 +430,7 @@ def launch(
         start_method=multiprocessing.get_context().get_start_method(),  # the default, without fixing it
         payload=payload,
         language=i18n.language(),
+        environ=environ,
     )
     run = _Run(task, timeout, output)
     try:

@@ -33,6 +33,9 @@ class Task:
     start_method: str  # the launching process's default, for what the rank itself starts
     payload: bytes  # pickled (fn, args, kwargs)
     language: str = "en"  # the notebook's (i18n.language()): what the rank prints through tr()
+    # The caller's environment at the launch call, with launch(env=...) applied: the rank's
+    # os.environ, as mp.spawn's children and torchrun's workers get their parent's.
+    environ: tuple[tuple[str, str], ...] = ()
 
 
 @dataclass(frozen=True)

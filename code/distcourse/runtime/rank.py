@@ -113,6 +113,12 @@ def _call(fn, args, kwargs, parent: _Parent, share_tensors: bool):
 
 
 def _set_environment(rank: int, task: Task) -> None:
+    """The launching process's environment (``Task.environ``), then this rank's own variables."""
+    if task.environ:
+        os.environ.clear()
+        os.environ.update(dict(task.environ))
+        # torch.distributed read TORCH_DISTRIBUTED_DEBUG when the fork server imported it: read it again.
+        dist.set_debug_level_from_env()
     loopback = hardware.loopback_interface()
     os.environ.update(
         {
