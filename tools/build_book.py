@@ -17,10 +17,12 @@ book whose `_toc.yml` has no language parts is built as one book, as before.
 Why this wrapper exists: with `execute_notebooks: cache`, Jupyter Book 1.0.4 keys each
 notebook's cached outputs on its code cells only, and Sphinx re-reads only notebooks whose
 file changed. An edit to `code/distcourse/*.py` changes neither, so the pages would keep the
-outputs of the old code. We therefore fingerprint everything outside the notebooks that can
-change their outputs; when the fingerprint moves, the execution cache is dropped and every
-page is re-read (and so every notebook re-executed). Otherwise the build stays incremental
-(a no-change rebuild takes about a second).
+outputs of the old code. We therefore fingerprint, per notebook, what its execution reads
+outside the notebook (tools/notebook_inputs.py: the modules it imports, transitively, its
+language's figure-text catalog, the project's config): when a notebook's fingerprint moves,
+its cached outputs are dropped and its page is re-read, so it executes again; the other
+notebooks stay cached. Editing `capstone.py` re-executes chapter 12 in six languages, a
+Korean catalog edit the Korean pages. A no-change rebuild takes about a second.
 
 Progress: Sphinx's own output goes to _build/build.log (shown from its first problem on
 failure); the terminal gets one line per notebook as myst-nb reads it, executed or taken
@@ -48,7 +50,8 @@ REPO_ROOT = Path(__file__).resolve().parent.parent
 JUPYTER_BOOK = Path(sys.executable).with_name("jupyter-book")
 # Files besides code/**/*.py whose changes can change what the notebooks print.
 INPUT_FILES = ("requirements.txt", "pyproject.toml", "_config.yml")
-FINGERPRINT_FILE = ".code-fingerprint"
+FINGERPRINT_FILE = ".page-fingerprints.json"  # per notebook: the inputs its page reflects
+CACHE_FINGERPRINT_FILE = ".cache-fingerprints.json"  # per notebook: the inputs its cached outputs reflect
 # Where a failure shows up in the log: Sphinx warnings/errors and Python tracebacks.
 PROBLEM = re.compile(r"WARNING:|ERROR:|CRITICAL:|Exception occurred|Traceback \(most recent")
 HEAD_LINES, TAIL_LINES = 100, 40
@@ -56,15 +59,10 @@ HEAD_LINES, TAIL_LINES = 100, 40
 ANSI_ESCAPE = re.compile(r"\x1b\[[0-9;]*m")
 
 
-def fingerprint(root: Path) -> str:
-    """sha256 over the notebooks' inputs that are not in the notebooks."""
-    files = (
-        sorted((root / "code").rglob("*.py"))
-        + sorted((root / "code").rglob("*.yml"))
-        + [root / name for name in INPUT_FILES]
-    )
+def common_inputs(root: Path) -> list[str]:
+    """What every notebook's outputs depend on: project config, interpreter, core count."""
     lines = []
-    for path in files:
+    for path in [root / name for name in INPUT_FILES]:
         digest = hashlib.sha256(path.read_bytes()).hexdigest() if path.is_file() else "missing"
         lines.append(f"{path.relative_to(root).as_posix()} {digest}")
     # Same code, other interpreter or core count: outputs can differ (e.g. worker counts
@@ -72,7 +70,17 @@ def fingerprint(root: Path) -> str:
     lines.append(f"python {sys.version}")
     cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
     lines.append(f"cpus {cpus}")
-    return hashlib.sha256("\n".join(lines).encode()).hexdigest()
+    return lines
+
+
+def fingerprints(root: Path) -> dict[str, str]:
+    """{notebook path relative to root: sha256 of its inputs outside the notebook}."""
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
+    import notebook_inputs
+
+    common = common_inputs(root)
+    notebooks = book_notebooks(root / "_toc.yml", root)
+    return {nb.relative_to(root).as_posix(): notebook_inputs.fingerprint(nb, root, common) for nb in notebooks}
 
 
 def print_failure(rc: int, log_path: Path) -> None:
@@ -449,46 +457,61 @@ def build_languages(root: Path, out: Path, execute: bool, extra: list) -> int | 
     return 0
 
 
-def read_stamp(path: Path):
-    return path.read_text().strip() if path.is_file() else None
+def read_stamps(path: Path) -> dict:
+    try:
+        return json.loads(path.read_text())
+    except (OSError, ValueError):
+        return {}
+
+
+def drop_cached(root: Path, stale: list[str]) -> None:
+    """Remove the cached outputs of ``stale`` notebooks from every execution cache of the book."""
+    from jupyter_cache import get_cache
+
+    paths = {str((root / name).resolve()) for name in stale}
+    caches = [root / "_build" / ".jupyter_cache", *(root / BOOKS).glob("*/_build/.jupyter_cache")]
+    for folder in caches:
+        if not folder.is_dir():
+            continue
+        cache = get_cache(folder)
+        for record in cache.list_cache_records():
+            if record.uri in paths:
+                cache.remove_cache(record.pk)
 
 
 def build_executed(root: Path) -> int:
-    """Cached execution into root/_build/html, re-executing everything when code changed.
+    """Cached execution into root/_build/html; a notebook whose inputs changed executes again.
 
-    Two stamps, because the cache and the pages go stale separately:
-      _build/.code-fingerprint            inputs the rendered pages reflect; written only
-                                          after a successful build
-      _build/.jupyter_cache.fingerprint   inputs the cached outputs were produced with
+    Two stamps per notebook, because the cache and the pages go stale separately:
+      _build/.page-fingerprints.json    inputs each rendered page reflects; written only
+                                        after a successful build
+      _build/.cache-fingerprints.json   inputs each notebook's cached outputs were made with
     After a failed build (say, one broken cross-reference) the cache already holds outputs
-    of the current code, so the retry re-reads every page but re-executes nothing cached.
+    of the current code, so the retry re-reads those pages but re-executes nothing cached.
     """
     build = root / "_build"
-    pages_stamp = build / FINGERPRINT_FILE
-    cache_stamp = build / ".jupyter_cache.fingerprint"
-    new = fingerprint(root)
-    extra = []
-    if read_stamp(cache_stamp) != new:
-        print("Code or config changed: clearing the execution cache.")
+    build.mkdir(parents=True, exist_ok=True)
+    pages_stamp, cache_stamp = build / FINGERPRINT_FILE, build / CACHE_FINGERPRINT_FILE
+    new = fingerprints(root)
+    cached, pages = read_stamps(cache_stamp), read_stamps(pages_stamp)
+    stale_cache = [nb for nb, digest in new.items() if cached.get(nb) != digest]
+    if stale_cache:
+        print(f"Inputs changed for {len(stale_cache)} of {len(new)} notebooks: dropping their cached outputs.")
         # jupyter-cache keys on code cells only; it would serve outputs of the old code.
-        shutil.rmtree(build / ".jupyter_cache", ignore_errors=True)
-        for cache in (root / BOOKS).glob("*/_build/.jupyter_cache"):
-            shutil.rmtree(cache, ignore_errors=True)
-        build.mkdir(parents=True, exist_ok=True)
-        cache_stamp.write_text(new + "\n")
-    if read_stamp(pages_stamp) != new:
-        print("Pages may show outputs of other code: re-reading every page (--all).")
-        # Sphinx re-reads only changed files; --all makes it re-read every notebook (which
-        # then runs or comes from the fresh cache). Drop the stamp first: if this build fails
-        # half-way and the code is reverted, the next build must still be a full one.
-        pages_stamp.unlink(missing_ok=True)
-        extra.append("--all")
-    rc = build_languages(root, root, True, extra)
+        drop_cached(root, stale_cache)
+        cache_stamp.write_text(json.dumps({**cached, **new}, indent=1, sort_keys=True) + "\n")
+    stale_pages = [nb for nb, digest in new.items() if pages.get(nb) != digest]
+    if stale_pages:
+        print(f"Re-reading {len(stale_pages)} pages whose inputs changed.")
+        # Sphinx re-reads a page whose source is newer than its last read: touch those only.
+        for nb in stale_pages:
+            (root / nb).touch()
+    rc = build_languages(root, root, True, [])
     if rc is None:
         vendor_mathjax(root)
-        rc = jupyter_book(root, root, root / "_config.yml", extra)
-    if rc == 0 and extra:
-        pages_stamp.write_text(new + "\n")
+        rc = jupyter_book(root, root, root / "_config.yml", [])
+    if rc == 0 and stale_pages:
+        pages_stamp.write_text(json.dumps({**pages, **new}, indent=1, sort_keys=True) + "\n")
     return rc
 
 

@@ -118,52 +118,62 @@ format: jb-book
 root: index
 chapters:
   - file: page
+  - file: other
 """
 
 
-def write_tiny_book(root: Path):
-    (root / "_config.yml").write_text(TINY_CONFIG)
-    (root / "_toc.yml").write_text(TINY_TOC)
-    (root / "index.md").write_text("# Tiny book\n\nOne executed page.\n")
-    (root / "code").mkdir()
-    (root / "code" / "marker.py").write_text('VALUE = "first-value"\n')
+def tiny_notebook(module: str) -> nbformat.NotebookNode:
     nb = nbformat.v4.new_notebook()
     nb.metadata["kernelspec"] = {"name": "python3", "display_name": "Python 3", "language": "python"}
     nb.cells = [
-        nbformat.v4.new_markdown_cell("# Page"),
+        nbformat.v4.new_markdown_cell(f"# Page using {module}"),
         # Notebooks run in their own folder (the book root here), so "code" resolves.
-        nbformat.v4.new_code_cell('import sys; sys.path.insert(0, "code"); import marker; print(marker.VALUE)'),
+        nbformat.v4.new_code_cell(f'import sys; sys.path.insert(0, "code"); import {module}; print({module}.VALUE)'),
         # Shows which interpreter ran the kernel: it must be the one running the tests.
         nbformat.v4.new_code_cell('print("kernel-prefix:", sys.prefix)'),
     ]
-    nbformat.write(nb, root / "page.ipynb")
+    return nb
+
+
+def write_tiny_book(root: Path):
+    """Two pages: page.ipynb imports code/marker.py (which imports helper.py), other.ipynb code/other.py."""
+    (root / "_config.yml").write_text(TINY_CONFIG)
+    (root / "_toc.yml").write_text(TINY_TOC)
+    (root / "index.md").write_text("# Tiny book\n\nTwo executed pages.\n")
+    (root / "code").mkdir()
+    (root / "code" / "helper.py").write_text('SUFFIX = "-value"\n')
+    (root / "code" / "marker.py").write_text('from helper import SUFFIX\nVALUE = "first" + SUFFIX\n')
+    (root / "code" / "other.py").write_text('VALUE = "other-first"\n')
+    nbformat.write(tiny_notebook("marker"), root / "page.ipynb")
+    nbformat.write(tiny_notebook("other"), root / "other.ipynb")
 
 
 def test_cache_follows_code_changes(tmp_path):
     write_tiny_book(tmp_path)
-    page = tmp_path / "_build" / "html" / "page.html"
+    page, other = tmp_path / "_build" / "html" / "page.html", tmp_path / "_build" / "html" / "other.html"
 
     stdout, first = build_book("--root", tmp_path)
     # Progress: the notebook, n of N and its seconds, then the totals.
-    assert re.search(r"^\[ 1/1\] page\.ipynb  executing\.\.\. \d+\.\d s$", stdout, flags=re.M), stdout
-    assert re.search(r"^Notebooks: 1 executed in \d+\.\d s, 0 from the cache$", stdout, flags=re.M), stdout
+    assert re.search(r"^\[ \d/2\] page\.ipynb  executing\.\.\. \d+\.\d s$", stdout, flags=re.M), stdout
+    assert re.search(r"^Notebooks: 2 executed in \d+\.\d s, 0 from the cache$", stdout, flags=re.M), stdout
     html = page.read_text()
-    assert "first-value" in html
+    assert "first-value" in html and "other-first" in other.read_text()
     assert f"kernel-prefix: {sys.prefix}" in html
 
-    # The notebook is unchanged, so only the fingerprint of code/ can trigger this rerun.
-    (tmp_path / "code" / "marker.py").write_text('VALUE = "second-value"\n')
-    _, second = build_book("--root", tmp_path)
-    html = page.read_text()
-    assert "second-value" in html
-    assert "first-value" not in html
+    # Neither notebook changed: only the fingerprint of what page.ipynb imports (through
+    # marker.py, helper.py) can trigger this rerun, and other.ipynb must not run again.
+    (tmp_path / "code" / "helper.py").write_text('SUFFIX = "-changed"\n')
+    stdout, second = build_book("--root", tmp_path)
+    assert "first-changed" in page.read_text() and "first-value" not in page.read_text()
+    assert re.search(r"^Notebooks: 1 executed in \d+\.\d s, 0 from the cache, 1 unchanged", stdout, flags=re.M), stdout
+    assert "Inputs changed for 1 of 2 notebooks" in stdout
 
     stdout, unchanged = build_book("--root", tmp_path)
     print(
         f"\ntiny book: first build {first:.1f} s, after code change {second:.1f} s, no-change rebuild {unchanged:.1f} s"
     )
-    assert "second-value" in page.read_text()
-    assert "--all" not in stdout, "nothing changed, the rebuild should be incremental"
+    assert "first-changed" in page.read_text() and "other-first" in other.read_text()
+    assert "Inputs changed" not in stdout and "Re-reading" not in stdout, "nothing changed: incremental"
     assert unchanged <= 10, f"no-change rebuild took {unchanged:.1f} s, target is 10 s"
 
 
