@@ -36,3 +36,48 @@ def test_workflow_runs_readme_commands_and_deploys_the_book():
     deploy = workflow["jobs"]["deploy"]
     assert deploy["needs"] == "build"
     assert any(step.get("uses", "").startswith("actions/deploy-pages") for step in deploy["steps"])
+
+
+def test_the_python_claimed_is_the_python_tested():
+    """pyproject's lowest Python is the one CI's workflow sets up, and README says the same."""
+    pyproject = (ROOT / "pyproject.toml").read_text(encoding="utf-8")
+    claimed = re.search(r'requires-python = ">=(\d+\.\d+)"', pyproject).group(1)
+    workflow = yaml.safe_load((ROOT / ".github/workflows/book.yml").read_text())
+    setup = next(s for s in workflow["jobs"]["build"]["steps"] if s.get("uses", "").startswith("actions/setup-python"))
+    assert setup["with"]["python-version"] == claimed
+    assert f"Python {claimed}+" in (ROOT / "README.md").read_text(encoding="utf-8")
+
+
+def test_runtime_dependencies_are_declared():
+    """Third-party modules the package imports are in pyproject's dependencies (torch is the reader's own)."""
+    import ast
+
+    pyproject = (ROOT / "pyproject.toml").read_text(encoding="utf-8")
+    declared = {
+        d.lower().replace("-", "_")
+        for d in re.findall(r'"([A-Za-z][\w.-]*)"', pyproject.split("dependencies = ", 1)[1].split("]", 1)[0])
+    }
+    import_names = {"yaml": "pyyaml", "sklearn": "scikit_learn"}
+    optional = {
+        "torch",
+        "torchvision",
+        "IPython",
+        "lightning",
+        "accelerate",
+        "deepspeed",
+        "babel",
+        "google",
+        "nbformat",
+    }
+    found = set()
+    for path in (ROOT / "code" / "distcourse").rglob("*.py"):
+        for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+            if isinstance(node, ast.Import):
+                found.update(alias.name.split(".")[0] for alias in node.names)
+            elif isinstance(node, ast.ImportFrom) and not node.level and node.module:
+                found.add(node.module.split(".")[0])
+    import sys
+
+    third_party = {name for name in found if name not in sys.stdlib_module_names and name != "distcourse"} - optional
+    missing = {name for name in third_party if import_names.get(name, name).lower() not in declared}
+    assert not missing, f"imported by code/distcourse but not in pyproject's dependencies: {sorted(missing)}"
