@@ -414,87 +414,112 @@ def status(root: pathlib.Path = ROOT) -> list[dict]:
     return rows
 
 
-def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    sub = parser.add_subparsers(dest="command", required=True)
+def cmd_extract(args) -> int:
+    english_path = chapter(args.chapter)
+    existing = translation_of(english_path, args.lang)
+    base = read(existing) if args.lang != "en" and existing.exists() else None
+    sys.stdout.write(extract(read(english_path), base))
+    return 0
+
+
+def cmd_apply(args) -> int:
+    number = args.chapter or re.match(r"\d+", args.workfile.name).group(0)
+    try:
+        out, gaps = apply(chapter(number), args.lang, args.workfile.read_text(encoding="utf-8"))
+    except ValueError as error:
+        print(f"not applied: {error}", file=sys.stderr)
+        return 1
+    print(f"wrote {out.relative_to(ROOT)}")
+    for gap in gaps:
+        english, translated = gap.split(" -> ")
+        print(f"glossary: the English uses {english}, the translation never writes {translated}")
+    return 1 if gaps else 0
+
+
+def cmd_sync(args) -> int:
+    paths = args.paths or [
+        p for lang in TRANSLATED for p in sorted((ROOT / "chapters" / lang).glob("[0-9][0-9]-*.ipynb"))
+    ]
+    for path in paths:
+        if sync(path.resolve()):
+            print(f"updated {path.resolve().relative_to(ROOT)}")
+    return 0
+
+
+def cmd_mark_current(args) -> int:
+    english_path = chapter(args.chapter)
+    now = prose_fingerprint(read(english_path))
+    for lang in args.langs or TRANSLATED:
+        path = translation_of(english_path, lang)
+        nb = read(path)
+        nb.metadata.setdefault("distcourse", {}).setdefault("translation", {})["english_prose"] = now
+        write(nb, path)
+        print(f"{path.relative_to(ROOT)}: translated from English prose {now}")
+    return 0
+
+
+def cmd_figure_texts(args) -> int:
+    from distcourse.runtime import i18n
+
+    try:
+        have = i18n.catalog(args.lang)
+    except FileNotFoundError:
+        have = {}
+    for text, used_in in figure_texts().items():
+        chapters = [c for c in used_in if c != PACKAGE]
+        where = ([f"chapter {', '.join(chapters)}"] if chapters else []) + [PACKAGE] * (PACKAGE in used_in)
+        print("# " + ", ".join(where))
+        print(yaml.safe_dump({text: have.get(text, "")}, allow_unicode=True, width=1000).rstrip())
+    return 0
+
+
+def cmd_status(args) -> int:
+    bad = 0
+    for row in status():
+        print(f"{row['chapter']:32s} {row['language']:6s} {row['state']}")
+        for problem in row["code"]:
+            print(f"    code drift: {problem}")
+        bad += row["state"] == "missing" or bool(row["code"])
+    return 1 if args.check and bad else 0
+
+
+def parser() -> argparse.ArgumentParser:
+    """One subcommand per ``cmd_*`` function above."""
+    top = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    sub = top.add_subparsers(dest="command", required=True)
+    chapter_help = "chapter number, e.g. 03, or a part's file stem, e.g. 04-ddp-in-practice"
     p = sub.add_parser("extract", help="print the work file of a chapter")
     p.add_argument("lang", choices=languages.CODES)
-    p.add_argument("chapter", help="chapter number, e.g. 03, or a part's file stem, e.g. 04-ddp-in-practice")
+    p.add_argument("chapter", help=chapter_help)
+    p.set_defaults(run=cmd_extract)
     p = sub.add_parser("apply", help="build a translation from a work file")
     p.add_argument("lang", choices=TRANSLATED)
     p.add_argument("workfile", type=pathlib.Path)
     p.add_argument("--chapter", help="chapter number or stem (default: the digits the work file's name starts with)")
+    p.set_defaults(run=cmd_apply)
     p = sub.add_parser("sync", help="copy the English code cells into every translation")
     p.add_argument("paths", nargs="*", type=pathlib.Path)
+    p.set_defaults(run=cmd_sync)
     p = sub.add_parser(
         "mark-current",
         help="record that translations already follow the current English prose "
         "(after editing English and every translation in the same change)",
     )
-    p.add_argument("chapter", help="chapter number, e.g. 03, or a part's file stem, e.g. 04-ddp-in-practice")
+    p.add_argument("chapter", help=chapter_help)
     p.add_argument("langs", nargs="*", help="default: every translation")
+    p.set_defaults(run=cmd_mark_current)
     p = sub.add_parser("figure-texts", help="print a figure-text catalog template (YAML) for a language")
     p.add_argument("lang", choices=TRANSLATED)
+    p.set_defaults(run=cmd_figure_texts)
     p = sub.add_parser("status", help="chapter x language: current, behind or missing")
     p.add_argument("--check", action="store_true", help="exit 1 on a missing translation or code drift")
-    args = parser.parse_args()
+    p.set_defaults(run=cmd_status)
+    return top
 
-    if args.command == "extract":
-        english_path = chapter(args.chapter)
-        existing = translation_of(english_path, args.lang)
-        base = read(existing) if args.lang != "en" and existing.exists() else None
-        sys.stdout.write(extract(read(english_path), base))
-    elif args.command == "apply":
-        number = args.chapter or re.match(r"\d+", args.workfile.name).group(0)
-        try:
-            out, gaps = apply(chapter(number), args.lang, args.workfile.read_text(encoding="utf-8"))
-        except ValueError as error:
-            print(f"not applied: {error}", file=sys.stderr)
-            return 1
-        print(f"wrote {out.relative_to(ROOT)}")
-        for gap in gaps:
-            english, translated = gap.split(" -> ")
-            print(f"glossary: the English uses {english}, the translation never writes {translated}")
-        return 1 if gaps else 0
-    elif args.command == "sync":
-        paths = args.paths or [
-            p for lang in TRANSLATED for p in sorted((ROOT / "chapters" / lang).glob("[0-9][0-9]-*.ipynb"))
-        ]
-        for path in paths:
-            if sync(path.resolve()):
-                print(f"updated {path.resolve().relative_to(ROOT)}")
-    elif args.command == "mark-current":
-        english_path = chapter(args.chapter)
-        now = prose_fingerprint(read(english_path))
-        for lang in args.langs or TRANSLATED:
-            path = translation_of(english_path, lang)
-            nb = read(path)
-            nb.metadata.setdefault("distcourse", {}).setdefault("translation", {})["english_prose"] = now
-            write(nb, path)
-            print(f"{path.relative_to(ROOT)}: translated from English prose {now}")
-    elif args.command == "figure-texts":
-        from distcourse.runtime import i18n
 
-        try:
-            have = i18n.catalog(args.lang)
-        except FileNotFoundError:
-            have = {}
-        for text, used_in in figure_texts().items():
-            chapters = [c for c in used_in if c != PACKAGE]
-            print(
-                "# "
-                + ", ".join(([f"chapter {', '.join(chapters)}"] if chapters else []) + [PACKAGE] * (PACKAGE in used_in))
-            )
-            print(yaml.safe_dump({text: have.get(text, "")}, allow_unicode=True, width=1000).rstrip())
-    elif args.command == "status":
-        bad = 0
-        for row in status():
-            print(f"{row['chapter']:32s} {row['language']:6s} {row['state']}")
-            for problem in row["code"]:
-                print(f"    code drift: {problem}")
-            bad += row["state"] == "missing" or bool(row["code"])
-        return 1 if args.check and bad else 0
-    return 0
+def main(argv: list[str] | None = None) -> int:
+    args = parser().parse_args(argv)
+    return args.run(args)
 
 
 if __name__ == "__main__":
