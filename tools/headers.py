@@ -65,9 +65,11 @@ except ImportError:  # a checkout whose package is not installed: use its code/ 
     import distcourse
 distcourse.warm_up()  # start the rank launcher's fork server in the background
 distcourse.set_language(install_fonts=IN_COLAB)  # text inside figures in the chapter's language
+distcourse.check_torch()  # a torch outside the course's range stops here: one sentence on what to install
 from distcourse import tr
 distcourse.show_run(tr("The outputs on this page come from PyTorch {{torch}} on {{device}}."),
-                    cpu=tr("a CPU with {{cores}} cores and no GPU"))"""
+                    cpu=tr("a CPU with {{cores}} cores and no GPU"))
+print(distcourse.doctor.summary())  # what this machine gives the course; details: python -m distcourse doctor"""
 
 
 def repository(root: pathlib.Path = ROOT) -> tuple[str, str]:

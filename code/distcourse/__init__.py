@@ -7,9 +7,21 @@ from .runtime import vision_compat
 
 vision_compat.install()  # before anything imports torchvision; see vision_compat.py
 
-from .runtime.hardware import cpu_cores, describe_machine, gpu_count, plan, rank_device, run_summary  # noqa: E402
+from .runtime import doctor  # noqa: E402  (python -m distcourse doctor; doctor.summary() in setup cells)
+from .runtime.hardware import (  # noqa: E402
+    Hardware,
+    agent_env,
+    cpu_cores,
+    describe_machine,
+    gpu_count,
+    node_plan,
+    plan,
+    rank_device,
+    run_summary,
+)
 from .runtime.i18n import language, set_language, tr  # noqa: E402
 from .runtime.launcher import LaunchError, LaunchTimeout, RankFailed, Results, launch, warm_up  # noqa: E402
+from .runtime.support import SUPPORTED_TORCH, UnsupportedTorch, check_torch  # noqa: E402
 
 
 def show_run(text: str, cpu: str) -> None:
@@ -21,6 +33,13 @@ def show_run(text: str, cpu: str) -> None:
 
 __version__ = "0.1.0"
 __all__ = [
+    "SUPPORTED_TORCH",
+    "Hardware",
+    "UnsupportedTorch",
+    "agent_env",
+    "check_torch",
+    "doctor",
+    "node_plan",
     "LaunchError",
     "LaunchTimeout",
     "RankFailed",
