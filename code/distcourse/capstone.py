@@ -27,7 +27,6 @@ import json
 import os
 import pathlib
 import signal
-import time
 import warnings
 
 import torch
@@ -38,6 +37,8 @@ from tqdm import tqdm  # the console bar: the script runs in terminals and log f
 
 from . import checkpoints
 from .common.models import gpt
+from .common.timing import clock
+from .runtime.hardware import rank_device
 from .tensor_parallel import tp_plan
 from .train import check_launcher_env, choose_device, init_distributed, say
 
@@ -62,6 +63,11 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--tp", type=int, default=1, help="tensor-parallel ranks per model replica (a 2-D mesh)")
     p.add_argument("--precision", choices=("auto", "fp32", "bf16"), default="auto", help="auto: bf16 on GPUs only")
     p.add_argument("--activation-checkpointing", action="store_true", help="recompute each block in backward")
+    p.add_argument(
+        "--deterministic",
+        action="store_true",
+        help="deterministic GPU kernels (torch.use_deterministic_algorithms): bitwise-equal reruns and resumes",
+    )
     p.add_argument("--eval-every", type=int, default=20)
     p.add_argument("--eval-batches", type=int, default=4)
     p.add_argument("--log-every", type=int, default=10, help="steps between loss logs (one sync of the GPU each)")
@@ -254,19 +260,35 @@ def load_state(path: pathlib.Path, model, optimizer, group) -> None:
 def main(argv=None) -> dict:
     args = parse_args(argv)
     check_launcher_env()
+    if args.deterministic:
+        deterministic()  # before the first matmul: cuBLAS reads its workspace setting once
     launched = "RANK" in os.environ  # by torchrun, srun + torchrun, or distcourse.launch
     rank = int(os.environ.get("RANK", 0))
     world_size = int(os.environ.get("WORLD_SIZE", 1))
     local_rank, local_world = int(os.environ.get("LOCAL_RANK", 0)), int(os.environ.get("LOCAL_WORLD_SIZE", 1))
-    device, backend = choose_device(local_rank, local_world)
     own_group = launched and not dist.is_initialized()  # distcourse.launch has made one already
     if own_group:
+        device, backend = choose_device(local_rank, local_world)
         init_distributed(backend, device, args.timeout)
+    else:  # one process, or a group made by the launcher: its backend says where to compute
+        device = rank_device() if dist.is_initialized() else choose_device(local_rank, local_world)[0]
     try:
         return train(args, rank, world_size, device)
     finally:
         if own_group:
             dist.destroy_process_group()  # also after an exception
+
+
+def deterministic() -> None:
+    """Make every kernel of this process deterministic, for bitwise-equal reruns and resumes.
+
+    Some GPU kernels add with atomics, in an order that changes from run to run;
+    ``use_deterministic_algorithms`` picks deterministic ones (or raises where none exists),
+    and cuBLAS needs a fixed workspace (``CUBLAS_WORKSPACE_CONFIG``) to be deterministic. On a
+    CPU the kernels this script uses are deterministic already: the flag changes nothing.
+    """
+    os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+    torch.use_deterministic_algorithms(True)
 
 
 def train(args, rank: int, world_size: int, device: torch.device) -> dict:
@@ -335,7 +357,7 @@ def train(args, rank: int, world_size: int, device: torch.device) -> dict:
                 say(rank, f"killed at step {step}")
                 os.kill(os.getpid(), signal.SIGKILL)  # no cleanup, no flush: a lost node
             if step == start + 2:
-                timed = (time.perf_counter(), step)  # throughput from the third step: no warm-up
+                timed = (clock(device), step)  # throughput from the third step: no warm-up
             inputs, targets = inputs.to(device, non_blocking=True), targets.to(device, non_blocking=True)
             with amp:
                 loss = loss_of(model, inputs, targets)
@@ -360,7 +382,7 @@ def train(args, rank: int, world_size: int, device: torch.device) -> dict:
                 saving = save(args.ckpt_dir, step, model, optimizer, ckpt_group, saving, args.sync_save)
             if step == args.steps:
                 break
-    seconds = time.perf_counter() - timed[0] if timed else float("nan")  # the last flush waited for the GPU
+    seconds = clock(device) - timed[0] if timed else float("nan")
     bar.close()
     if saving is not None:
         saving.result()  # the last asynchronous save must finish before the process ends

@@ -130,13 +130,15 @@ def main_thread(dump: str) -> str:
 def flight_recorder(skip: int | list = 1, steps: int = 3, after: float = 0.5, dump_dir: str | None = None) -> dict:
     """Rank function: ``steps`` all-reduces on every rank, then one more that the rank(s) ``skip`` never join.
 
-    With ``TORCH_FR_BUFFER_SIZE`` set, PyTorch records each collective of a process group
-    created afterwards (sequence number, operation, sizes, state, Python stack) in a ring
-    buffer. NCCL dumps it by itself on a timeout; gloo does not, so a watchdog thread here
-    dumps it after ``after`` seconds, as JSON (returned) and, if ``dump_dir`` is given, as
-    the pickle file PyTorch's analyzer reads (``<dump_dir>/rank_<r>``).
+    PyTorch's flight recorder records each collective (sequence number, operation, sizes,
+    state, Python stack) in a ring buffer, one per process. In torch 2.13 it is on by default
+    with 2000 entries (``FlightRecorder.hpp``); ``TORCH_FR_BUFFER_SIZE`` changes the size (0
+    turns it off), read once, when the process creates the recorder with its first process
+    group: set it in the ranks' environment at launch (``launch(..., env=...)``), not in a
+    rank. NCCL dumps the buffer by itself on a timeout; gloo does not, so a watchdog thread
+    here dumps it after ``after`` seconds, as JSON (returned) and, if ``dump_dir`` is given,
+    as the pickle file PyTorch's analyzer reads (``<dump_dir>/rank_<r>``).
     """
-    os.environ["TORCH_FR_BUFFER_SIZE"] = "200"  # read when the next process group is created
     group = _gloo_group(after * 2)
     dumped = {}
 
@@ -407,9 +409,10 @@ def other_failures(stderr: str) -> list[dict]:
 def nccl_info(directory: str) -> list[str]:
     """Rank function, GPUs only: NCCL's own lines from this rank's first collective.
 
-    Needs ``NCCL_DEBUG=INFO`` and ``NCCL_DEBUG_FILE=<directory>/nccl.%p`` in the environment
-    the ranks start with (NCCL reads them once, when it initialises in a process); NCCL
-    replaces %p by the process id.
+    Needs ``NCCL_DEBUG=INFO`` and ``NCCL_DEBUG_FILE=<directory>/nccl.%p`` in the ranks'
+    environment before their process group is created (NCCL reads them once, when it
+    initialises in a process, which ``device_id`` makes happen in ``init_process_group``):
+    ``launch(..., env={...})`` applies them there. NCCL replaces %p by the process id.
     """
     device = rank_device()
     if device.type != "cuda":

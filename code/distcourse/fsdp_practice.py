@@ -164,8 +164,9 @@ def offload(pin_memory: bool = False, steps: int = 3) -> dict:
 
     The shards, their gradients and the optimizer step stay in CPU memory; each unit's
     weights are copied to the GPU to compute. Pinned (page-locked) memory lets those copies
-    run asynchronously, but pinning asks the CUDA driver: without a GPU it fails, and
-    the error is returned as text.
+    run asynchronously, but pinning asks the accelerator's driver: on a machine without one
+    it fails, and the error is returned as text. Where a GPU is present pinning works even
+    for ranks that compute on the CPU (more ranks than GPUs run on gloo).
     """
     from torch.distributed.fsdp import CPUOffloadPolicy
 

@@ -33,7 +33,9 @@ from torch.distributed import rpc
 
 from .common.datasets import digits_batch
 from .common.models import mlp
+from .common.timing import clock
 from .common.training import average_gradients
+from .runtime.hardware import rank_device
 
 
 def _batch(step: int, trainer: int, trainers: int, batch: int):
@@ -133,7 +135,7 @@ def train_through_server(
     """Runs on a trainer: pull, compute a gradient on this trainer's batch, push; ``steps`` times."""
     model = mlp(width)
     rpc.rpc_sync(server_rref.owner(), ParameterServer.start, args=(server_rref,))
-    started, losses, waits = time.perf_counter(), [], []
+    started, losses, waits = clock(), [], []
     for step in range(steps):
         version, weights = server_rref.rpc_sync().pull()  # one round trip: the current weights
         with torch.no_grad():
@@ -145,11 +147,11 @@ def train_through_server(
         loss.backward()
         time.sleep(delay)  # extra work per step: a slower machine, or a bigger batch
         grads = [p.grad for p in model.parameters()]
-        pushed = time.perf_counter()
+        pushed = clock()
         rpc.rpc_sync(server_rref.owner(), ParameterServer.push, args=(server_rref, trainer, version, grads))
-        waits.append(time.perf_counter() - pushed)  # the round trip, plus the wait for the round (sync)
+        waits.append(clock() - pushed)  # the round trip, plus the wait for the round (sync)
         losses.append(loss.item())
-    return {"losses": losses, "seconds": time.perf_counter() - started, "push seconds": waits}
+    return {"losses": losses, "seconds": clock() - started, "push seconds": waits}
 
 
 def _recorded(caught) -> list[str]:
@@ -274,19 +276,20 @@ def _train_remotely(steps: int, batch: int, width: int, lr: float) -> dict:
 def allreduce_training(steps: int = 8, batch: int = 32, width: int = 32, lr: float = 0.5) -> dict:
     """Rank function: every rank a trainer, gradients averaged by ``all_reduce`` (DDP by hand).
 
-    Returns the final weights and the seconds per step (after the first), for comparison with
-    the parameter server on the same data.
+    The model and batches live on the rank's device: under nccl a collective takes GPU
+    tensors only. To compare with the parameter server, which trains on the CPU, launch
+    it with ``backend="gloo"``. Returns the final weights and the seconds of every step.
     """
-    rank, world_size = dist.get_rank(), dist.get_world_size()
-    model = mlp(width)
+    rank, world_size, device = dist.get_rank(), dist.get_world_size(), rank_device()
+    model = mlp(width).to(device)
     optimizer = torch.optim.SGD(model.parameters(), lr=lr)
     times = []
     for step in range(steps):
-        started = time.perf_counter()
-        images, labels = _batch(step, rank + 1, world_size, batch)
+        started = clock(device)
+        images, labels = (t.to(device) for t in _batch(step, rank + 1, world_size, batch))
         optimizer.zero_grad()
         F.cross_entropy(model(images), labels).backward()
         average_gradients(model)  # one bucket, as DDP would send it
         optimizer.step()
-        times.append(time.perf_counter() - started)
-    return {"params": [p.detach().clone() for p in model.parameters()], "step seconds": times}
+        times.append(clock(device) - started)
+    return {"params": [p.detach().cpu().clone() for p in model.parameters()], "step seconds": times}

@@ -25,6 +25,7 @@ import tempfile
 import time
 from dataclasses import dataclass, field
 
+from .runtime import hardware
 from .runtime.processes import group_alive as group_alive  # chapter 07 checks teardown with it
 from .runtime.processes import package_env, stop_trees
 
@@ -66,6 +67,20 @@ def torchrun(*launcher_args: str, module: str = "distcourse.train", script_args=
 def child_env(threads: int = 1, **extra: str) -> dict[str, str]:
     """The environment for launched processes: one intra-op thread each, and distcourse importable."""
     return package_env(OMP_NUM_THREADS=str(threads), PYTHONUNBUFFERED="1", **extra)
+
+
+def node_envs(nnodes: int, nproc_per_node: int = 1, threads: int = 1, **extra: str) -> list[dict[str, str]]:
+    """One environment per "node" simulated on this machine: ``run_together(agents, env=node_envs(2))``.
+
+    Every torchrun agent numbers its workers from ``LOCAL_RANK=0`` and each worker takes
+    ``cuda:LOCAL_RANK``, so agents sharing a machine would all take its first GPU, and NCCL
+    refuses two ranks on one GPU ("Duplicate GPU detected"). Each agent therefore gets a
+    ``CUDA_VISIBLE_DEVICES`` of its own: GPUs no other agent sees, as on separate machines,
+    or none ("") when there are too few for every worker; then all of them run gloo on the CPU.
+    """
+    return [
+        child_env(threads, **hardware.agent_env(None, nnodes, nproc_per_node, node), **extra) for node in range(nnodes)
+    ]
 
 
 @dataclass

@@ -85,7 +85,12 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 
 def choose_device(local_rank: int, local_world_size: int) -> tuple[torch.device, str]:
-    """One GPU per process if this node has enough of them, else the CPU (gloo)."""
+    """One GPU per process if this node has enough of them, else the CPU (gloo).
+
+    ``cuda:LOCAL_RANK`` is unique on a machine only if one agent runs there: several torchrun
+    agents on one machine (chapter 07's simulated nodes) all start at LOCAL_RANK 0, so each
+    must be started with GPUs of its own (``torchrun_tools.node_envs``).
+    """
     if torch.cuda.is_available() and torch.cuda.device_count() >= local_world_size:
         return torch.device("cuda", local_rank), "nccl"
     return torch.device("cpu"), "gloo"

@@ -329,6 +329,61 @@ def test_notebook_exercise_cells_hold_stubs():
     assert 'my_command = ""' in code[-1] and ".check_torchrun_command(my_command)" in code[-1]
 
 
+# --- several agents on one machine: one GPU each, or none ---------------------------------
+
+
+def fake_gpus(monkeypatch, count: int, visible: str | None = None) -> None:
+    """This process sees ``count`` GPUs (and a torch built with NCCL); nothing touches a driver."""
+    from distcourse.runtime import hardware
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: count > 0)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: count)
+    monkeypatch.setattr(torch.distributed, "is_nccl_available", lambda: True)
+    monkeypatch.setattr(hardware, "nvidia_smi_gpus", lambda: ())
+    if visible is None:
+        monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
+    else:
+        monkeypatch.setenv("CUDA_VISIBLE_DEVICES", visible)
+
+
+def worker_gpus(envs: list[dict], visible_here: str | None) -> list[str | None]:
+    """The GPU (as the machine names it) that each agent's only worker takes: ``cuda:LOCAL_RANK``,
+    i.e. the first of the GPUs its environment leaves visible; None for the CPU."""
+    taken = []
+    for env in envs:
+        visible = env.get("CUDA_VISIBLE_DEVICES", visible_here)
+        ids = visible.split(",") if visible is not None else ["0"]  # unset: all GPUs, cuda:0 first
+        taken.append(ids[0] if ids[0] else None)
+    return taken
+
+
+@pytest.mark.parametrize("gpus, visible", [(2, None), (4, None), (2, "3,5"), (1, None), (0, None)])
+def test_agents_on_one_machine_never_share_a_gpu(monkeypatch, gpus, visible):
+    """Two agents with one worker each both start LOCAL_RANK 0: without an environment of its
+    own, each would take cuda:0 and NCCL would refuse the pair ("Duplicate GPU detected")."""
+    fake_gpus(monkeypatch, gpus, visible)
+    taken = worker_gpus(tt.node_envs(2), visible)
+    if gpus >= 2:
+        assert None not in taken and len(set(taken)) == 2, taken  # a GPU each, distinct
+        assert set(taken) <= set((visible or "0,1,2,3").split(","))  # named as this process sees them
+    else:
+        assert taken == [None, None]  # too few GPUs: both on the CPU, gloo
+    assert all(e["OMP_NUM_THREADS"] == "1" for e in tt.node_envs(2))  # still child_env underneath
+
+
+def test_two_node_cells_give_each_agent_its_own_environment():
+    """Every notebook cell that starts several torchrun agents of one job on this machine
+    passes ``env=tt.node_envs(...)``."""
+    import nbformat
+
+    for name in ("07-torchrun", "07-torchrun-elastic", "12-capstone-at-scale"):
+        nb = nbformat.read(CODE.parents[1] / f"chapters/en/{name}.ipynb", as_version=4)
+        cells = [c.source for c in nb.cells if c.cell_type == "code" and "tt.run_together" in c.source]
+        multi_node = [c for c in cells if "--nnodes" in c or "node_command(" in c or "node(" in c]
+        assert multi_node, name
+        assert all("env=tt.node_envs(" in c or "env=node_env" in c for c in multi_node), name
+
+
 # --- slow: multi-node and repeated elastic restarts --------------------------------------
 
 

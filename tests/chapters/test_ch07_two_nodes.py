@@ -28,6 +28,8 @@ import uuid
 import pytest
 import torch
 
+from distcourse.runtime import hardware
+
 ATTEMPTS = int(os.environ.get("TWO_NODE_ATTEMPTS", os.environ.get("STRESS_ATTEMPTS", "20")))
 # An attempt takes up to about 17 s on 2 cores; the default 300 s would cut 20 attempts short.
 pytestmark = [pytest.mark.stress, pytest.mark.timeout(60 + 45 * ATTEMPTS)]
@@ -87,7 +89,10 @@ def start_agent(
     ``rdzv_conf``: more ``key=value`` pairs for ``--rdzv-conf`` (given once: a second
     ``--rdzv-conf`` would replace the first, ``is_host`` included).
     """
-    env = {**os.environ, "GLOO_SOCKET_IFNAME": links[node], "OMP_NUM_THREADS": "1", **(env or {})}
+    # Both namespaces share this machine's GPUs, and both workers have LOCAL_RANK 0: each node
+    # gets a GPU of its own, or none (gloo on the CPU), as chapter 07's notebook does.
+    own_gpus = hardware.agent_env(None, len(NODES), 1, list(NODES).index(node))
+    env = {**os.environ, "GLOO_SOCKET_IFNAME": links[node], "OMP_NUM_THREADS": "1", **own_gpus, **(env or {})}
     command = in_namespace(
         names[node],
         sys.executable,

@@ -7,6 +7,7 @@ import torch
 
 import distcourse
 from distcourse import compiling, fsdp_practice
+from distcourse.common import numerics
 from distcourse.exercises import ch09
 
 
@@ -41,7 +42,7 @@ def test_inductor_second_compile_hits_the_disk_cache():
     compiling.inductor_compile()
     again = compiling.inductor_compile()
     assert again["cache hits"] == 1 and again["cache misses"] == 0
-    assert again["gap to eager"] < 1e-5
+    numerics.assert_close(again["output"], again["eager output"], terms=1)  # element-wise: no sums
 
 
 @pytest.mark.slow
@@ -98,7 +99,9 @@ def test_reshard_after_forward_trades_an_all_gather_for_held_weights():
 @pytest.mark.skipif(distcourse.gpu_count() > 0, reason="pinning works where a GPU is present")
 def test_cpu_offload_pinned_memory_needs_a_gpu_and_unpinned_trains():
     pinned = distcourse.launch(fsdp_practice.offload, world_size=2, kwargs={"pin_memory": True}, quiet=True)[0]
-    assert "accelerator" in pinned["error"]
+    assert pinned["error"] is not None
+    if torch.version.cuda is None and torch.version.hip is None:  # a CUDA build says "Found no NVIDIA driver"
+        assert "Cannot access accelerator device" in pinned["error"]
     unpinned = distcourse.launch(fsdp_practice.offload, world_size=2, kwargs={"pin_memory": False}, quiet=True)[0]
     assert unpinned["error"] is None and unpinned["shard device"] == "cpu" and len(unpinned["losses"]) == 3
 

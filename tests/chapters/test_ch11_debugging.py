@@ -3,7 +3,10 @@ NaN agreement, replica checksums, reproducibility."""
 
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 import pytest
+import torch
 
 import distcourse
 from distcourse import debugging, profiling
@@ -97,6 +100,53 @@ def test_one_bucket_does_not_overlap_and_traces_are_written(tmp_path):
 def test_interval_helpers():
     assert profiling._merge([(3, 4), (0, 2), (1, 3)]) == [[0, 4]]
     assert profiling._overlap([[0, 4]], [[3, 6]]) == 1
+
+
+def _event(name, device, start, end, id=0, launched_by=0, parent=None):
+    """A stand-in for a profiler event with the fields ``_gpu_intervals`` reads."""
+    kind = torch.autograd.DeviceType.CUDA if device == "cuda" else torch.autograd.DeviceType.CPU
+    return SimpleNamespace(
+        name=name,
+        device_type=kind,
+        time_range=SimpleNamespace(start=start, end=end),
+        id=id,
+        linked_correlation_id=launched_by,
+        cpu_parent=parent,
+    )
+
+
+def test_gpu_overlap_is_measured_against_the_backward_window():
+    """A launch-bound backward on a GPU: short kernels with gaps where the GPU waits for the CPU.
+
+    NCCL's first bucket runs in such a gap, during backward; the last bucket runs after it.
+    DDP's own kernels (copies into buckets in AccumulateGrad's hook, copies back after the
+    all-reduce) are not backward compute.
+    """
+    step = _event("train step", "cpu", 0, 1000)
+    backward = _event("autograd::engine::evaluate_function: AddmmBackward0", "cpu", 100, 500)
+    accumulate = _event("autograd::engine::evaluate_function: torch::autograd::AccumulateGrad", "cpu", 420, 430)
+    ops = [
+        _event("aten::mm", "cpu", 110, 120, id=1, parent=backward),
+        _event("aten::mm", "cpu", 300, 310, id=2, parent=backward),
+        _event("aten::copy_", "cpu", 421, 422, id=3, parent=accumulate),
+        _event("aten::copy_", "cpu", 600, 601, id=4),  # DDP's finalize, outside any backward function
+    ]
+    kernels = [
+        _event("gemm", "cuda", 200, 210, launched_by=1),
+        _event("gemm", "cuda", 400, 420, launched_by=2),
+        _event("copy", "cuda", 430, 440, launched_by=3),
+        _event("copy", "cuda", 500, 505, launched_by=4),
+        _event("ncclDevKernel_AllReduce_Sum_f32_RING_LL", "cuda", 300, 350),
+        _event("ncclDevKernel_AllReduce_Sum_f32_RING_LL", "cuda", 450, 480),
+    ]
+    events = [step, backward, accumulate, *ops, *kernels]
+    compute, comm = profiling._gpu_intervals(events, [step], lambda us: us)
+    assert compute == [(200, 420)] and comm == [(300, 350), (450, 480)]
+    overlap = profiling._overlap(compute, profiling._merge(comm)) / sum(e - s for s, e in comm)
+    assert overlap == 50 / 80
+    # The kernels' union would have called the first bucket exposed: it ran between two gemms.
+    union = profiling._merge((k.time_range.start, k.time_range.end) for k in kernels if "nccl" not in k.name)
+    assert profiling._overlap(union, profiling._merge(comm)) == 0
 
 
 def test_nccl_info_refuses_the_cpu(tmp_path):

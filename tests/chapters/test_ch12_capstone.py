@@ -4,16 +4,21 @@ RPC parameter server."""
 from __future__ import annotations
 
 import json
+import os
 
 import pytest
 import torch
 
 import distcourse
 from distcourse import capstone, parameter_server, sharding, torchrun_tools
+from distcourse.common import numerics
 from distcourse.exercises import ch12
 
 QUICK = ["--steps", "6", "--log-every", "2", "--eval-every", "3", "--eval-batches", "1", "--workers", "0"]
 QUICK += ["--progress", "off", "--sample-bytes", "8", "--limit-windows", "40"]
+# fp32 everywhere: with "auto", a run on GPUs would be bf16 and one on the CPU fp32, not comparable.
+QUICK += ["--precision", "fp32"]
+TOKENS = 8 * 64  # a step's global batch of the runs compared below, each loss a sum over them
 
 
 # --------------------------------------------------------------------------------------
@@ -95,11 +100,34 @@ def test_one_process_writes_metrics_final_weights_and_sample(tmp_path):
     assert (tmp_path / "sample.txt").read_text(encoding="utf-8") == result["sample"]
 
 
-def test_resume_from_a_checkpoint_gives_the_uninterrupted_curve(tmp_path):
-    whole = capstone.main([*QUICK, "--steps", "9", "--out", str(tmp_path / "whole")])
+@pytest.fixture
+def restore_determinism(monkeypatch):
+    """``--deterministic`` sets process-wide state: give the test process its own back."""
+    monkeypatch.delenv("CUBLAS_WORKSPACE_CONFIG", raising=False)
+    saved = torch.are_deterministic_algorithms_enabled(), torch.is_deterministic_algorithms_warn_only_enabled()
+    yield
+    torch.use_deterministic_algorithms(saved[0], warn_only=saved[1])
+
+
+def test_deterministic_flag_sets_what_gpus_need_and_changes_nothing_on_a_cpu(restore_determinism, tmp_path):
+    corpus = tmp_path / "corpus.txt"  # fixed text: the chapters may change between the two runs
+    corpus.write_text(capstone.corpus_text(capstone.COURSE_CHAPTERS), encoding="utf-8")
+    torch.use_deterministic_algorithms(False)
+    plain = capstone.main([*QUICK, "--corpus", str(corpus)])
+    assert not torch.are_deterministic_algorithms_enabled()
+    deterministic = capstone.main([*QUICK, "--corpus", str(corpus), "--deterministic"])
+    assert torch.are_deterministic_algorithms_enabled()
+    assert os.environ["CUBLAS_WORKSPACE_CONFIG"] == ":4096:8"  # cuBLAS reads it at its first call
+    assert deterministic["loss"] == plain["loss"] and deterministic["held-out"] == plain["held-out"]
+    assert deterministic["sample"] == plain["sample"]
+
+
+def test_resume_from_a_checkpoint_gives_the_uninterrupted_curve(tmp_path, restore_determinism):
+    exact = [*QUICK, "--deterministic"]  # bitwise comparisons: on GPUs only with deterministic kernels
+    whole = capstone.main([*exact, "--steps", "9", "--out", str(tmp_path / "whole")])
     ckpt = ["--ckpt-dir", str(tmp_path / "ckpt"), "--save-every", "3"]
-    capstone.main([*QUICK, "--steps", "5", *ckpt, "--out", str(tmp_path / "cut")])  # saves steps 3; stops at 5
-    resumed = capstone.main([*QUICK, "--steps", "9", *ckpt, "--out", str(tmp_path / "cut")])
+    capstone.main([*exact, "--steps", "5", *ckpt, "--out", str(tmp_path / "cut")])  # saves steps 3; stops at 5
+    resumed = capstone.main([*exact, "--steps", "9", *ckpt, "--out", str(tmp_path / "cut")])
     assert resumed["resumed from"] == 3
     assert capstone.read_metrics(tmp_path / "cut")["loss"] == capstone.read_metrics(tmp_path / "whole")["loss"]
     assert resumed["sample"] == whole["sample"]
@@ -114,20 +142,25 @@ def test_fsdp_on_two_ranks_trains_what_one_process_trains():
     one = capstone.main([*QUICK, "--batch-size", "8"])
     two = distcourse.launch(capstone.main, 2, args=([*QUICK, "--batch-size", "4"],), quiet=True)
     assert two[0]["dp"] == two[1]["dp"] == 2
-    assert max(abs(two[0]["loss"][s] - one["loss"][s]) for s in one["loss"]) < 1e-5
+    numerics.assert_close(two[0]["loss"], one["loss"], terms=TOKENS)
     assert "sample" not in two[1]  # only rank 0 generates and reports
 
 
 @pytest.mark.slow
 def test_tensor_parallel_mesh_and_activation_checkpointing_train_the_same_model():
-    reference = distcourse.launch(capstone.main, 4, args=([*QUICK, "--batch-size", "2"],), quiet=True)[0]
+    reference = distcourse.launch(
+        capstone.main, 4, args=([*QUICK, "--batch-size", "2", "--deterministic"],), quiet=True
+    )[0]
     mesh = distcourse.launch(capstone.main, 4, args=([*QUICK, "--batch-size", "4", "--tp", "2"],), quiet=True)[0]
     checkpointed = distcourse.launch(
-        capstone.main, 4, args=([*QUICK, "--batch-size", "2", "--activation-checkpointing"],), quiet=True
+        capstone.main,
+        4,
+        args=([*QUICK, "--batch-size", "2", "--activation-checkpointing", "--deterministic"],),
+        quiet=True,
     )[0]
     assert (mesh["dp"], mesh["tp"]) == (2, 2)
-    assert max(abs(mesh["loss"][s] - reference["loss"][s]) for s in reference["loss"]) < 1e-5
-    assert checkpointed["loss"] == reference["loss"]
+    numerics.assert_close(mesh["loss"], reference["loss"], terms=TOKENS)
+    assert checkpointed["loss"] == reference["loss"]  # bitwise: the recomputation repeats the same kernels
 
 
 def test_tensor_parallel_degree_must_divide_the_ranks():
@@ -137,7 +170,7 @@ def test_tensor_parallel_degree_must_divide_the_ranks():
 
 @pytest.mark.slow
 def test_torchrun_kill_and_restart_resumes_exactly(tmp_path):
-    common = [*QUICK, "--steps", "8", "--log-every", "1"]
+    common = [*QUICK, "--steps", "8", "--log-every", "1", "--deterministic"]  # bitwise resume, also on GPUs
     plain = torchrun_tools.run(
         torchrun_tools.torchrun(
             "--standalone",
