@@ -2,6 +2,7 @@
 # `make book` builds the rendered book, `make test` runs the whole test suite (lint included),
 # `make check` the fast tier: lint, format check and the tests not marked slow or stress (< 3 min).
 # `make bench` compares launch times; `make times` executes only the notebooks and reports their times.
+# `make compat TORCH=2.15.0` tests another torch in .venv-compat/ and records it in compat/ (tools/compat.py).
 PYTHON ?= python3
 VENV := .venv
 PY := $(VENV)/bin/python
@@ -11,7 +12,7 @@ NODE_STAMP := node_modules/.package-lock.json
 # What ruff lints and format-checks (configured in pyproject.toml).
 LINTED := code tools tests benchmarks conftest.py
 
-.PHONY: book test check lint bench times stress slides clean
+.PHONY: book test check lint bench times stress slides clean compat
 
 $(STAMP): requirements.txt pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -28,8 +29,17 @@ book: $(STAMP) $(NODE_STAMP)
 
 # The two-node scenarios take 8-17 s per attempt: 5 attempts each here, 20 in `make stress`.
 test: lint $(NODE_STAMP)
+	$(MAKE) --no-print-directory numerics
 	bash tools/install_browser.sh
 	TWO_NODE_ATTEMPTS=$${TWO_NODE_ATTEMPTS:-5} $(PY) -m pytest
+
+# The fast numerical tests (marked numerics) under other CPU kernels, < 1 min each: ATen's portable
+# kernels with MKL's reproducible code path, then ATen's and oneDNN's AVX2 kernels. They add in
+# another order than this CPU's own, so a bound tuned to one machine fails here as on another.
+.PHONY: numerics
+numerics: $(STAMP)
+	ATEN_CPU_CAPABILITY=default MKL_CBWR=COMPATIBLE $(PY) -m pytest tests -m "numerics and not slow" -q
+	ATEN_CPU_CAPABILITY=avx2 ONEDNN_MAX_CPU_ISA=AVX2 $(PY) -m pytest tests -m "numerics and not slow" -q
 
 # Fast tier: unit tests, parity and static checks; no notebook execution, book build,
 # browser, Colab simulation or stress scenarios (those are marked slow or stress).
@@ -52,6 +62,11 @@ stress: $(STAMP)
 
 times: $(STAMP)
 	$(PY) -m pytest chapters
+
+# Its own venv per torch release (from the package index, not .venv); COMPAT_ARGS e.g. --notebooks 03,07
+compat:
+	@test -n "$(TORCH)" || { echo "usage: make compat TORCH=2.15.0 [COMPAT_ARGS='--notebooks 03 --only-fast ...']"; exit 2; }
+	$(PYTHON) tools/compat.py run $(TORCH) $(COMPAT_ARGS)
 
 clean:
 	rm -rf _build

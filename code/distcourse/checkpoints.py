@@ -32,6 +32,7 @@ from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
 
 from .common.datasets import digits as digits  # chapter 05 loads its data as checkpoints.digits()
 from .common.models import mlp
+from .common.timing import clock
 from .common.training import global_mean, wrap_ddp
 from .runtime.hardware import rank_device
 from .runtime.i18n import number, tr
@@ -651,13 +652,13 @@ def dcp_async_save_while_training(directory, steps: int = 8, save_at=(3, 6)):
             if pending is not None:
                 pending.result()  # the previous save is complete (and raises here if it failed)
             expected[app.step] = _snapshot(app.state_dict())  # what this checkpoint must hold
-            start = time.perf_counter()
+            start = clock(device)  # after this step's kernels: the save's own time
             pending = dcp.async_save(
                 {"app": app}, checkpoint_id=pathlib.Path(directory) / f"step-{app.step}", process_group=save_group
             )
             record = {
                 "step": app.step,
-                "returned after": time.perf_counter() - start,
+                "returned after": clock(device) - start,
                 "still writing on return": not pending.done(),
                 "steps while writing": 0,
             }

@@ -21,6 +21,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
+from .common import numerics
 from .common.timing import best_of
 from .runtime.hardware import rank_device
 from .runtime.i18n import tr
@@ -368,6 +369,7 @@ def ring_matches_builtin(sizes, seed: int = 0) -> list:
                     "values": kind,
                     "equal": torch.equal(ours, theirs),
                     "max_abs_diff": (ours - theirs).abs().max().item(),
+                    "relative_gap": numerics.relative_gap(ours, theirs),  # for numerics.rounding_bound
                 }
             )
     return rows

@@ -545,7 +545,7 @@ def train_with_loader(
     ddp = wrap(mlp(**(model_kwargs or {})))
     optimizer = torch.optim.SGD(ddp.parameters(), lr=lr)
     loader_pids, losses = set(), []
-    start = time.perf_counter()
+    start = clock()
     with tqdm(total=epochs * len(loader), desc=f"rank {rank}", unit="step", disable=rank != 0) as bar:
         for epoch in range(epochs):
             sampler.set_epoch(epoch)  # a new permutation every epoch, the same on every rank
@@ -560,7 +560,7 @@ def train_with_loader(
     return {
         "pid": os.getpid(),
         "loaders": sorted(loader_pids),  # (pid, parent pid) of each process that loaded samples
-        "seconds": time.perf_counter() - start,
+        "seconds": clock() - start,
         "steps": len(losses),
         "losses": losses,
         "params": params_of(ddp.module),

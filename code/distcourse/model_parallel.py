@@ -89,6 +89,13 @@ def two_stage_model(width: int = 32, depth: int = 1, work=0.0, seed: int = 0) ->
     return nn.Sequential(stage0, stage1)
 
 
+def step_terms(width: int = 32, depth: int = 1, batch: int = 64) -> int:
+    """The additions behind one gradient of ``two_stage_model(width, depth)``: ``terms`` for
+    ``common.numerics``. Forward and backward each add along the layers (64 pixels, the
+    ``2 depth - 1`` hidden layers of ``width``, 10 classes), then the weight gradients over the batch."""
+    return 2 * (64 + (2 * depth - 1) * width + 10) + batch
+
+
 def two_devices() -> tuple[torch.device, torch.device]:
     """Two GPUs if there are; else a GPU and the CPU; else the CPU twice."""
     gpus = gpu_count()
@@ -137,6 +144,8 @@ def split_vs_whole(batch_size: int = 64, seed: int = 0, **model_kwargs) -> dict:
         "stage_params": [sum(p.numel() for p in s.parameters()) for s in (split.stage0, split.stage1)],
         "activation_shape": tuple(split.stage0(x.to(dev0)).shape),
         "output_device": str(split(x).device),
+        "outputs": outputs,  # "whole" and "split", to compare with common.numerics
+        "grads": grads,
         "max_output_diff": (outputs["whole"] - outputs["split"]).abs().max().item(),
         "max_grad_diff": max((a - b).abs().max().item() for a, b in zip(grads["whole"], grads["split"])),
     }
@@ -216,7 +225,7 @@ def pipeline_run(model_kwargs: dict, x, y, micro_batches, repeats: int = 3) -> d
         for r in range(repeats + 1):
             stage.zero_grad(set_to_none=True)
             dist.barrier()  # both ranks leave the barrier together: a common time zero
-            t0 = time.perf_counter()
+            t0 = clock(device)
             loss, events = gpipe_step(stage, rank, x, y, m, peer=1 - rank, t0=t0)
             if r > 0:
                 steps.append(events)

@@ -13,8 +13,6 @@ micro-batches and decides in which order each stage runs its forwards and backwa
 
 from __future__ import annotations
 
-import time
-
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
@@ -91,7 +89,7 @@ def torch_pipeline_step(schedule: str, model_kwargs: dict, x, y, n_micro: int) -
         events.clear()
         losses: list = []
         dist.barrier()
-        t0 = time.perf_counter()
+        t0 = clock(device)
         if rank == 0:
             runner.step(x.to(device))
         else:

@@ -85,6 +85,7 @@ def redistribute_costs(pairs: list | None = None, rows: int = 4, cols: int = 6) 
                 "expected": expected,
                 "local shape before": tuple(tensor.to_local().shape),
                 "local shape after": tuple(moved.to_local().shape),
+                # moving data is exact, and so is summing whole numbers split over 2 or 4 ranks
                 "same values": torch.equal(moved.full_tensor(), full),
             }
         )
@@ -138,8 +139,9 @@ def megatron_mlp(x, w1_rows, w2_cols):
 def megatron_by_hand(hidden: int = 64, tokens: int = 32) -> dict:
     """Rank function: the two-layer MLP, split by hand over the ranks, against the whole one.
 
-    Returns collectives per phase, the largest gaps of output, input gradient and this
-    rank's weight gradients to the unsharded computation, and the local weight shapes.
+    Returns collectives per phase, the output, input gradient and this rank's weight
+    gradients next to the same from the unsharded computation (``split`` and ``unsplit``),
+    their largest gaps, and the local weight shapes.
     """
     from torch.distributed.tensor.debug import CommDebugMode
 
@@ -160,9 +162,17 @@ def megatron_by_hand(hidden: int = 64, tokens: int = 32) -> dict:
     w1_full, w2_full, x_full = (t.clone().requires_grad_() for t in (w1, w2, x))
     y_full = F.gelu(x_full @ w1_full.T) @ w2_full.T
     y_full.square().sum().backward()
+    split = {"output": y.detach(), "input grad": x_local.grad, "weight grads": [w1_rows.grad, w2_cols.grad]}
+    unsplit = {
+        "output": y_full.detach(),
+        "input grad": x_full.grad,
+        "weight grads": [w1_full.grad[part], w2_full.grad[:, part]],
+    }
     return {
         "forward": count_collectives(forward),
         "backward": count_collectives(backward),
+        "split": split,  # what the ranks computed, and the same quantities from the whole MLP
+        "unsplit": unsplit,
         "output gap": (y - y_full).abs().max().item(),
         "input grad gap": (x_local.grad - x_full.grad).abs().max().item(),
         "weight grad gap": max(
@@ -234,6 +244,19 @@ def tokens(step: int, batch: int = 4, seq: int = 32, vocab: int = SIZES["vocab"]
 
 def _loss(logits, targets):
     return F.cross_entropy(logits.flatten(0, 1), targets.flatten())
+
+
+def loss_terms(batch: int = 4, seq: int = 32, sizes: dict = SIZES) -> int:
+    """The additions chained into one loss of ``gpt(**sizes)``: ``terms`` for ``common.numerics``.
+
+    Per block: two LayerNorms (a mean and a variance over h each), wq, wk, wv, wo and w1 (h
+    each), the attention scores (over a head, h / heads), the softmax and the weighted values
+    (over the sequence), w2 (4h). Then the final LayerNorm, the output layer (h), the
+    cross-entropy (over the vocabulary) and its mean over the batch's tokens.
+    """
+    h = sizes["hidden"]
+    block = 2 * 2 * h + 5 * h + h // sizes["heads"] + 2 * seq + 4 * h
+    return sizes["layers"] * block + 2 * h + h + sizes["vocab"] + batch * seq
 
 
 def activation_bytes_one_process() -> int:

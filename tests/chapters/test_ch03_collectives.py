@@ -5,9 +5,11 @@ import time
 import numpy as np
 import pytest
 import torch
+from torch.torch_version import TorchVersion
 
 import distcourse
 from distcourse import collectives
+from distcourse.common import numerics
 from distcourse.exercises import ch03
 
 
@@ -54,6 +56,7 @@ def test_tour_of_collectives(n, no_leftovers):
     assert all(t["all_gather"]["after"] == sums for t in tour)
 
 
+@pytest.mark.numerics
 @pytest.mark.parametrize("n", [2, 3, 4])
 def test_ring_all_reduce_matches_dist_all_reduce(n, no_leftovers):
     # 1 element on 3-4 ranks leaves empty chunks; 7 and 1001 do not divide evenly.
@@ -62,7 +65,7 @@ def test_ring_all_reduce_matches_dist_all_reduce(n, no_leftovers):
         for row in rank_rows:
             if row["values"] == "integers" or n == 2:
                 assert row["equal"], row
-            assert row["max_abs_diff"] < 1e-5, row
+            assert row["relative_gap"] <= numerics.rounding_bound(terms=n), row  # a sum of n terms, reordered
 
 
 @pytest.mark.parametrize("n", [2, 3, 4])
@@ -132,7 +135,8 @@ def test_single_tensor_collectives_and_avg(n, no_leftovers):
     assert [s["piece"] for s in single] == [[x] for x in sums]  # reduce_scatter_single: rank r keeps piece r
     assert all(s["after"] == sums for s in single)  # then all_gather_single: the all_reduce result
     assert all(s["old names, same result"] for s in single)
-    if hasattr(dist, "all_gather_single"):  # the names these replace warn and point to them
+    # the names these replace warn and point to them in PyTorch 2.13 and 2.14; 2.15 dropped the warning
+    if hasattr(dist, "all_gather_single") and TorchVersion(torch.__version__) < "2.15":
         for s in single:
             assert len(s["warnings"]) == 2 and all(w.startswith("FutureWarning") for w in s["warnings"])
             assert "reduce_scatter_single" in s["warnings"][0] and "all_gather_single" in s["warnings"][1]

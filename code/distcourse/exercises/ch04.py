@@ -16,6 +16,7 @@ import itertools
 import torch
 from torch.utils.data import DistributedSampler
 
+from ..common import numerics
 from ..runtime.i18n import tr
 
 # (dataset size, world size): even splits, splits that need padding, more ranks
@@ -83,6 +84,8 @@ def _stats_problem(my_global_stats) -> str | None:
         squares = [(s * s).sum(0) for s in shares]
         everything = torch.cat(shares)
         want_mean, want_var = everything.mean(0), everything.var(0, unbiased=False)
+        # float64 sums over every sample; E[x²] - mean² then cancels, losing digits by E[x²] / var
+        terms = round(len(everything) * ((everything * everything).mean(0) / want_var).max().item())
         call = f"my_global_stats(counts={counts}, ...)"
         try:
             got = my_global_stats(list(counts), [t.clone() for t in sums], [t.clone() for t in squares])
@@ -120,9 +123,9 @@ def _stats_problem(my_global_stats) -> str | None:
                 tr("{call}: variance {got}, expected {want}"),
             ),
         ):
-            if torch.allclose(got, want, atol=1e-9):
+            if numerics.close(got, want, terms=terms, dtype=torch.float64):
                 continue
-            if torch.allclose(got, mistake, atol=1e-9):
+            if numerics.close(got, mistake, terms=terms, dtype=torch.float64):
                 return hint.format(call=call)
             return wrong.format(call=call, got=got.tolist(), want=want.tolist())
     return None
