@@ -145,6 +145,17 @@ def _gpu_intervals(events, steps, ms) -> tuple[list, list]:
     return windows, comm
 
 
+def _cpu_intervals(events, steps_cpu, ms) -> tuple[list, list]:
+    """Backward compute on the main thread and gloo's all-reduces on its threads, as (start, end) ms."""
+    compute = _merge(
+        (ms(e.time_range.start), ms(e.time_range.end))
+        for e in events
+        if e.name.startswith("autograd::engine::evaluate_function") and "AccumulateGrad" not in e.name
+    )
+    comm = sorted((ms(e.time_range.start), ms(e.time_range.end)) for e in events if e.name == "gloo:all_reduce")
+    return compute, comm
+
+
 def profile_ddp(bucket_cap_mb: float = 1.0, steps: int = 3, trace_dir: str | None = None) -> dict:
     """Rank function: profile ``steps`` DDP steps of a 3.2M-parameter MLP.
 
@@ -184,15 +195,7 @@ def profile_ddp(bucket_cap_mb: float = 1.0, steps: int = 3, trace_dir: str | Non
     steps_cpu = [e for e in events if e.name == "train step" and e.device_type == torch.autograd.DeviceType.CPU]
     start = min(e.time_range.start for e in steps_cpu)
     ms = lambda us: (us - start) / 1e3  # noqa: E731  (profiler times are in microseconds)
-    if device.type == "cuda":
-        compute, comm = _gpu_intervals(events, steps_cpu, ms)
-    else:
-        compute = _merge(
-            (ms(e.time_range.start), ms(e.time_range.end))
-            for e in events
-            if e.name.startswith("autograd::engine::evaluate_function") and "AccumulateGrad" not in e.name
-        )
-        comm = sorted((ms(e.time_range.start), ms(e.time_range.end)) for e in events if e.name == "gloo:all_reduce")
+    compute, comm = (_gpu_intervals if device.type == "cuda" else _cpu_intervals)(events, steps_cpu, ms)
     comm_total = sum(e - s for s, e in comm)
     trace = None
     if trace_dir is not None:

@@ -118,7 +118,7 @@ def _import_torchvision() -> Check:
         import torchvision  # noqa: F401
     except Exception as exc:  # a broken install: report it, the other checks still run
         return Check("torchvision", False, tr("import torchvision failed: {error}").format(error=f"{exc}"[:200]))
-    if vision_compat._LIB is not None:  # the fallback operators were defined
+    if vision_compat.fallback_defined():
         text = tr(
             "torchvision's compiled operators do not load with this torch build; the course's CPU "
             "replacement stands in (models, transforms and datasets work, torchvision.ops and torchvision.io "
@@ -218,7 +218,7 @@ def cjk_font() -> str | None:
     """An installed font that draws Chinese and Korean figure text, or None."""
     from . import i18n
 
-    return next((font for code in i18n.CJK_FONTS if (font := i18n._cjk_font(code, install=False))), None)
+    return next((font for code in i18n.CJK_FONTS if (font := i18n.cjk_font(code, install=False))), None)
 
 
 def check_fonts() -> Check:

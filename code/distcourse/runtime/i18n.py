@@ -70,7 +70,8 @@ def catalog(code: str) -> dict[str, str]:
     return entries
 
 
-def _cjk_font(code: str, install: bool) -> str | None:
+def cjk_font(code: str, install: bool) -> str | None:
+    """The installed font that draws ``code``'s script in figures (installing one if asked), or None."""
     from matplotlib import font_manager
 
     def installed() -> str | None:
@@ -90,7 +91,7 @@ def _cjk_font(code: str, install: bool) -> str | None:
             stdout=subprocess.DEVNULL,
             stderr=subprocess.DEVNULL,
         )
-        return _cjk_font(code, install=False)
+        return cjk_font(code, install=False)
     return found
 
 
@@ -135,7 +136,7 @@ def set_language(code: str | None = None, install_fonts: bool = False) -> str:
 
     family = ["DejaVu Sans"]
     if code in CJK_FONTS:
-        font = _cjk_font(code, install_fonts)
+        font = cjk_font(code, install_fonts)
         if font is None:
             print(  # in the notebook's language: the notebook can show it, the figures cannot
                 tr(

@@ -37,6 +37,7 @@ afresh by every rank.
 from __future__ import annotations
 
 import atexit
+import dataclasses
 import io
 import multiprocessing
 import os
@@ -410,29 +411,35 @@ def launch(
     _check_importable(fn)
     timeout = _positive("timeout", timeout)
     collective_timeout = _positive("collective_timeout", timeout if collective_timeout is None else collective_timeout)
-    payload = _dumps((fn, tuple(args), dict(kwargs or {})))
-    environ = rank_environment(env)
-    output = RankOutput(world_size, quiet=quiet, stream=stream)
-    output.say(f"launch: {the_plan.describe()}\n")
-
-    ctx = _context()
-    started = time.monotonic()
-    store, port = _listening_store() if init_process_group else (None, 0)
     task = Task(
         world_size=world_size,
         backend=the_plan.backend,
         threads=the_plan.threads,
-        port=port,
+        port=0,  # set once the store listens, after every check has passed
         run_id=uuid.uuid4().hex,
         collective_timeout=collective_timeout,
         init_process_group=init_process_group,
         share_tensors=share_tensors,
         start_method=multiprocessing.get_context().get_start_method(),  # the default, without fixing it
-        payload=payload,
+        payload=_dumps((fn, tuple(args), dict(kwargs or {}))),
         language=i18n.language(),
-        environ=environ,
+        environ=rank_environment(env),
     )
-    run = _Run(task, timeout, output)
+    output = RankOutput(world_size, quiet=quiet, stream=stream)
+    output.say(f"launch: {the_plan.describe()}\n")
+    started = time.monotonic()
+    run = _run_to_the_end(task, timeout, output)
+    results = Results(r.reply.value for r in run.ranks)
+    results.seconds, results.plan, results.outputs = time.monotonic() - started, the_plan, output.texts()
+    return results
+
+
+def _run_to_the_end(task: Task, timeout: float, output: RankOutput) -> _Run:
+    """Start the ranks, wait for them, stop everything; raise if a rank failed or time ran out."""
+    ctx = _context()
+    started = time.monotonic()
+    store, port = _listening_store() if task.init_process_group else (None, 0)
+    run = _Run(dataclasses.replace(task, port=port), timeout, output)
     try:
         run.start(ctx)
         run.wait(started)
@@ -446,6 +453,4 @@ def launch(
         raise LaunchTimeout(timeout, running, output.texts())
     if failure is not None:
         raise RankFailed(failure[0], failure[1], output.texts())
-    results = Results(r.reply.value for r in run.ranks)
-    results.seconds, results.plan, results.outputs = time.monotonic() - started, the_plan, output.texts()
-    return results
+    return run

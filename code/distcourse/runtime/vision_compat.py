@@ -87,6 +87,11 @@ def define_missing() -> list[str]:
     return missing
 
 
+def fallback_defined() -> bool:
+    """Whether this process runs torchvision with the CPU operators defined here."""
+    return _LIB is not None
+
+
 def _missing_operator(exc: BaseException) -> bool:
     text = str(exc)
     return "torchvision::" in text and "does not exist" in text
