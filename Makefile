@@ -1,8 +1,5 @@
 # Everything runs inside .venv, created and filled from requirements.txt on first use.
-# `make book` builds the rendered book, `make test` runs the whole test suite (lint included),
-# `make check` the fast tier: lint, format check and the tests not marked slow or stress (< 3 min).
-# `make bench` compares launch times; `make times` executes only the notebooks and reports their times.
-# `make compat TORCH=2.15.0` tests another torch in .venv-compat/ and records it in compat/ (tools/compat.py).
+# `make help` lists the targets; the two a reader needs are `make book` and `make test`.
 PYTHON ?= python3
 VENV := .venv
 PY := $(VENV)/bin/python
@@ -11,8 +8,13 @@ STAMP := $(VENV)/.installed
 NODE_STAMP := node_modules/.package-lock.json
 # What ruff lints and format-checks (configured in pyproject.toml).
 LINTED := code tools tests benchmarks conftest.py
+NOTEBOOKS := chapters/*/*.ipynb
 
-.PHONY: book test check lint bench times stress slides clean compat
+.PHONY: help book test check lint numerics bench times stress slides compat gpu-check \
+	format clear-outputs headers sync status chapter-map clean
+
+help: ## this list
+	@grep -E '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | sed -E 's/^([a-z-]+):.*## (.*)/  make \1\t\2/' | expand -t 22
 
 $(STAMP): requirements.txt pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -24,49 +26,74 @@ $(STAMP): requirements.txt pyproject.toml
 $(NODE_STAMP): package.json package-lock.json
 	if command -v npm >/dev/null; then npm ci --no-audit --no-fund; else echo "npm not found: no slides"; fi
 
-book: $(STAMP) $(NODE_STAMP)
+# ---------------------------------------------------------------- reading and testing
+
+book: $(STAMP) $(NODE_STAMP) ## build the book (executes what changed) into _build/html
 	$(PY) tools/build_book.py
 
 # The two-node scenarios take 8-17 s per attempt: 5 attempts each here, 20 in `make stress`.
-test: lint $(NODE_STAMP)
+test: lint $(NODE_STAMP) ## everything CI runs: lint, numerics, every test and notebook, the book
 	$(MAKE) --no-print-directory numerics
 	bash tools/install_browser.sh
 	TWO_NODE_ATTEMPTS=$${TWO_NODE_ATTEMPTS:-5} $(PY) -m pytest
 
-# The fast numerical tests (marked numerics) under other CPU kernels, < 1 min each: ATen's portable
-# kernels with MKL's reproducible code path, then ATen's and oneDNN's AVX2 kernels. They add in
-# another order than this CPU's own, so a bound tuned to one machine fails here as on another.
-.PHONY: numerics
-numerics: $(STAMP)
-	ATEN_CPU_CAPABILITY=default MKL_CBWR=COMPATIBLE $(PY) -m pytest tests -m "numerics and not slow" -q
-	ATEN_CPU_CAPABILITY=avx2 ONEDNN_MAX_CPU_ISA=AVX2 $(PY) -m pytest tests -m "numerics and not slow" -q
-
 # Fast tier: unit tests, parity and static checks; no notebook execution, book build,
 # browser, Colab simulation or stress scenarios (those are marked slow or stress).
-check: lint
+check: lint ## the fast tier (< 3 min): lint and the tests not marked slow or stress
 	$(PY) -m pytest tests -m "not slow and not stress" -q
 
-lint: $(STAMP)
+lint: $(STAMP) ## ruff check and ruff format --check
 	$(VENV)/bin/ruff check $(LINTED)
 	$(VENV)/bin/ruff format --check $(LINTED)
 
-bench: $(STAMP)
+# The fast numerical tests (marked numerics) under other CPU kernels, < 1 min each: ATen's portable
+# kernels with MKL's reproducible code path, then ATen's and oneDNN's AVX2 kernels. They add in
+# another order than this CPU's own, so a bound tuned to one machine fails here as on another.
+numerics: $(STAMP) ## the numerical tests under ATen's default and AVX2 kernels
+	ATEN_CPU_CAPABILITY=default MKL_CBWR=COMPATIBLE $(PY) -m pytest tests -m "numerics and not slow" -q
+	ATEN_CPU_CAPABILITY=avx2 ONEDNN_MAX_CPU_ISA=AVX2 $(PY) -m pytest tests -m "numerics and not slow" -q
+
+bench: $(STAMP) ## launch-time and result-transfer benchmarks
 	$(PY) benchmarks/launch_bench.py
 	$(PY) benchmarks/results_bench.py
 
-slides: $(STAMP) $(NODE_STAMP)
+slides: $(STAMP) $(NODE_STAMP) ## reveal.js decks into _build/slides
 	$(PY) tools/build_slides.py
 
-stress: $(STAMP)
+stress: $(STAMP) ## the launcher's failure scenarios, 20 times each
 	$(PY) -m pytest -m stress tests
 
-times: $(STAMP)
+times: $(STAMP) ## execute only the notebooks and report each one's time
 	$(PY) -m pytest chapters
 
 # Its own venv per torch release (from the package index, not .venv); COMPAT_ARGS e.g. --notebooks 03,07
-compat:
+compat: ## another torch in .venv-compat/, recorded in compat/: make compat TORCH=2.15.0
 	@test -n "$(TORCH)" || { echo "usage: make compat TORCH=2.15.0 [COMPAT_ARGS='--notebooks 03 --only-fast ...']"; exit 2; }
 	$(PYTHON) tools/compat.py run $(TORCH) $(COMPAT_ARGS)
 
-clean:
+gpu-check: $(STAMP) ## on a GPU machine: every English chapter, one PASS/FAIL line per cell
+	$(PY) tools/run_notebooks.py $(if $(ONLY),--only $(ONLY))
+
+# ---------------------------------------------------------------- maintaining
+
+format: $(STAMP) ## ruff format and ruff check --fix
+	$(VENV)/bin/ruff format $(LINTED)
+	$(VENV)/bin/ruff check --fix $(LINTED)
+
+clear-outputs: $(STAMP) ## strip outputs and execution counts from every notebook
+	$(VENV)/bin/jupyter nbconvert --clear-output --inplace --log-level=WARN $(NOTEBOOKS)
+
+headers: $(STAMP) ## badges, language links and setup cells of every notebook
+	$(PY) tools/headers.py
+
+sync: $(STAMP) ## copy the English code cells into every translation, keeping translated comments
+	$(PY) tools/translations.py sync
+
+status: $(STAMP) ## chapter x language: current, behind or missing
+	$(PY) tools/translations.py status
+
+chapter-map: $(STAMP) ## the README's chapter map from chapters.yml
+	$(PY) tools/chapter_map.py
+
+clean: ## remove _build
 	rm -rf _build
