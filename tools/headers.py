@@ -97,10 +97,28 @@ def header_markdown(notebook: pathlib.Path, title: str, root: pathlib.Path = ROO
     if links:
         colon = "：" if lang.code.startswith("zh") else ":"  # Chinese prose takes the full-width colon
         lines += ["", f"**{lang.other_languages}{colon}** " + " · ".join(links)]
+    code = companion_links(notebook, root)
+    if code:
+        colon = "：" if lang.code.startswith("zh") else ":"
+        lines += ["", f"**{lang.companion_code}{colon}** " + " · ".join(code)]
     if lang.translation_note:
         note = lang.translation_note.format(english=f"../en/{notebook.name}", status="../../translation-status.md")
         lines += ["", note]
     return "\n".join(lines)
+
+
+def companion_links(notebook: pathlib.Path, root: pathlib.Path = ROOT) -> list[str]:
+    """Links to the modules the chapter teaches from, as ``chapters.yml`` names them (none if absent)."""
+    declaration = root / "chapters.yml"
+    if not declaration.exists():
+        return []
+    for chapter in yaml.safe_load(declaration.read_text(encoding="utf-8")):
+        names = chapter["notebooks"].get(notebook.stem)
+        if names is not None:
+            url, branch = repository(root)
+            paths = [f"code/distcourse/{name}" for name in [*names, chapter["exercises"]]]
+            return [f"[`{path.removeprefix('code/distcourse/')}`]({url}/blob/{branch}/{path})" for path in paths]
+    return []
 
 
 def setup_source(url: str, branch: str) -> str:

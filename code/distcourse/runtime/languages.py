@@ -24,9 +24,10 @@ class Language(NamedTuple):
     other_languages: str  # label before the links to the other languages in a chapter's header
     translation_note: str  # header line of a translated chapter; {english}: link, {status}: status page
     notice: tuple[str, str, str]  # translation notice on the book page: title, current, behind
+    companion_code: str = "Companion code"  # label before the modules a chapter uses, in its header
 
 
-ENGLISH = Language("en", "English", "en", "en", (), "Other languages", "", ("", "", ""))
+ENGLISH = Language("en", "English", "en", "en", (), "Other languages", "", ("", "", ""), "Companion code")
 
 LANGUAGES: tuple[Language, ...] = (
     ENGLISH,
@@ -45,6 +46,7 @@ LANGUAGES: tuple[Language, ...] = (
             "Это перевод английской главы «{title}». Английский текст изменился после перевода "
             "(версия {was}, сейчас {now}); отличия смотрите в оригинале.",
         ),
+        "Код главы",
     ),
     Language(
         "zh-CN",
@@ -59,6 +61,7 @@ LANGUAGES: tuple[Language, ...] = (
             "本页译自英文章节《{title}》。译文与英文同步：英文自翻译以来没有改动。",
             "本页译自英文章节《{title}》。英文在翻译之后有改动（译自版本 {was}，当前版本 {now}），请对照英文原文。",
         ),
+        "配套代码",
     ),
     Language(
         "zh-TW",
@@ -73,6 +76,7 @@ LANGUAGES: tuple[Language, ...] = (
             "本頁譯自英文章節《{title}》。譯文與英文同步：英文自翻譯以來沒有變動。",
             "本頁譯自英文章節《{title}》。英文在翻譯之後有變動（譯自版本 {was}，目前版本 {now}），請對照英文原文。",
         ),
+        "配套程式碼",
     ),
     Language(
         "pt-BR",
@@ -90,6 +94,7 @@ LANGUAGES: tuple[Language, ...] = (
             "Esta página é uma tradução do capítulo em inglês “{title}”. O texto em inglês mudou depois "
             "da tradução (versão {was}, agora {now}); confira o original.",
         ),
+        "Código do capítulo",
     ),
     Language(
         "ko",
@@ -107,6 +112,7 @@ LANGUAGES: tuple[Language, ...] = (
             "이 페이지는 영어 장 “{title}”을 번역한 것입니다. 번역 이후 영어 원문이 바뀌었습니다"
             "(번역 기준 {was}, 현재 {now}). 원문을 함께 확인하세요.",
         ),
+        "이 장의 코드",
     ),
 )
 
