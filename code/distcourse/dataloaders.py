@@ -290,7 +290,7 @@ def host_to_device_ms(megabytes: int = 64, repeats: int = 5, device=None) -> dic
     """
     from .common.timing import best_of, wait_for_compute
 
-    device = torch.device(device) if device is not None else torch.accelerator.current_accelerator()
+    device = torch.device(device) if device is not None else torch.accelerator.current_accelerator(check_available=True)
     if device is None or device.type == "cpu":
         raise ValueError("pinned memory speeds up copies to an accelerator; this machine has none")
     pageable = torch.ones(megabytes * 2**20, dtype=torch.uint8)  # ones, not empty: every page touched
@@ -329,7 +329,7 @@ def torchrun_environment(nproc: int = 2, timeout: float = 60.0) -> list[dict]:
     import json
     import tempfile
 
-    from . import torchrun_tools as tt
+    from .common import subprocesses as tt
 
     with tempfile.TemporaryDirectory() as folder:
         # One file per worker: both workers share torchrun's stdout, where two lines can interleave.

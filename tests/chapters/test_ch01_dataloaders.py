@@ -81,7 +81,7 @@ def test_torchrun_sets_ranks_but_not_cuda_visible_devices(monkeypatch):
 def test_host_to_device_timing_needs_an_accelerator():
     import pytest
 
-    accelerator = torch.accelerator.current_accelerator()
+    accelerator = torch.accelerator.current_accelerator(check_available=True)  # a CUDA build without a GPU has none
     if accelerator is None:
         with pytest.raises(ValueError, match="accelerator"):
             data.host_to_device_ms(megabytes=1)
