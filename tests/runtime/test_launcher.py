@@ -5,7 +5,6 @@ after the test and fails if any rank (or anything else) is still there.
 """
 
 import os
-import signal
 import subprocess
 import sys
 import textwrap
@@ -19,6 +18,7 @@ import torch
 import distcourse
 import rank_workers as w
 from distcourse import LaunchTimeout, RankFailed, launch
+from interrupts import interrupt_when_ranks_run
 
 pytestmark = pytest.mark.usefixtures("no_leftovers")
 TESTS = os.path.dirname(__file__)
@@ -155,15 +155,20 @@ def test_collective_timeout_raises_inside_the_rank():
     assert info.value.rank == 0
 
 
-def test_interrupted_cell_stops_every_rank():
-    # A notebook's "interrupt kernel" is SIGINT to the kernel, i.e. KeyboardInterrupt here.
-    timer = threading.Timer(1.5, lambda: os.kill(os.getpid(), signal.SIGINT))
-    timer.start()
-    start = time.monotonic()
+def test_interrupted_cell_stops_every_rank(tmp_path):
+    # A notebook's "interrupt kernel" is SIGINT to the kernel, i.e. KeyboardInterrupt here,
+    # sent once both ranks sleep; the stop itself must take seconds, not the launch's timeout.
+    ended = threading.Event()
+    interrupter = interrupt_when_ranks_run(str(tmp_path), ended)
     with pytest.raises(KeyboardInterrupt):
-        launch(w.sleep_forever, 2, timeout=60)
-    assert time.monotonic() - start < 6
-    timer.join()
+        try:
+            launch(w.sleep_forever, 2, kwargs={"pid_dir": str(tmp_path)}, timeout=60)
+        finally:
+            interrupted = time.monotonic()
+            ended.set()
+    assert len(list(tmp_path.iterdir())) == 2, "the ranks never started"
+    interrupter.join()
+    assert interrupted - interrupter.sent_at < 6
 
 
 def test_rendezvous_listens_on_loopback_only():
@@ -309,15 +314,16 @@ def test_no_worker_or_grandchild_outlives_the_launch(tmp_path, then):
     """A failing rank, a timeout, an orphaned grandchild that ignores SIGTERM, an interrupted cell:
     every DataLoader worker and grandchild the run started is gone afterwards."""
     kwargs = {"pid_dir": str(tmp_path), "then": "hang" if then == "interrupt" else then}
-    timer = None
-    if then == "interrupt":
-        timer = threading.Timer(4.0, lambda: os.kill(os.getpid(), signal.SIGINT))
-        timer.start()
+    ended = threading.Event()
+    interrupter = interrupt_when_ranks_run(str(tmp_path), ended) if then == "interrupt" else None
     expected = {"raise": RankFailed, "hang": LaunchTimeout, "orphan": RankFailed, "interrupt": KeyboardInterrupt}
     with pytest.raises(expected[then]):
-        launch(w.ddp_with_loader_workers, 2, kwargs=kwargs, timeout=4 if then == "hang" else 60, quiet=True)
-    if timer:
-        timer.join()
+        try:
+            launch(w.ddp_with_loader_workers, 2, kwargs=kwargs, timeout=4 if then == "hang" else 60, quiet=True)
+        finally:
+            ended.set()
+    if interrupter:
+        interrupter.join()
     recorded = _recorded_pids(tmp_path)
     assert len(recorded) >= (3 if then == "orphan" else 2), f"the ranks recorded too few children: {recorded}"
     assert not _all_gone(recorded), "children of ranks outlived the launch"

@@ -20,6 +20,7 @@ import pytest
 import rank_workers as w
 from conftest import stray_processes
 from distcourse import LaunchTimeout, RankFailed, launch
+from interrupts import interrupt_when_ranks_run
 
 pytestmark = pytest.mark.stress
 ATTEMPTS = int(os.environ.get("STRESS_ATTEMPTS", "20"))
@@ -169,25 +170,10 @@ def children_gone(pid_dir: str, at_least: int) -> bool:
     return False
 
 
-def interrupt_when_workers_run(pid_dir: str, launch_ended: threading.Event) -> threading.Thread:
-    """SIGINT to this process once both ranks have recorded their workers (after their first batch):
-    a fixed delay races with the start-up, which a busy machine slows down."""
-
-    def wait_then_interrupt():
-        while len(os.listdir(pid_dir)) < 2:
-            if launch_ended.wait(0.02):  # the launch failed before its workers ran: nothing to interrupt
-                return
-        os.kill(os.getpid(), signal.SIGINT)
-
-    thread = threading.Thread(target=wait_then_interrupt, daemon=True)
-    thread.start()
-    return thread
-
-
 def with_workers(then: str, exc_type, timeout: float = 60, interrupt: bool = False) -> bool:
     with tempfile.TemporaryDirectory() as pid_dir:
         launch_ended = threading.Event()
-        interrupter = interrupt_when_workers_run(pid_dir, launch_ended) if interrupt else None
+        interrupter = interrupt_when_ranks_run(pid_dir, launch_ended) if interrupt else None
         try:
             launch(w.ddp_with_loader_workers, 2, kwargs={"pid_dir": pid_dir, "then": then}, timeout=timeout, quiet=True)
         except exc_type:
