@@ -10,6 +10,9 @@
    time and the gradients;
 5. ``calculator_html``: the same formulas as a small page widget that needs no kernel.
 
+``saved_bytes`` and ``block_formula`` live in ``common/memory.py`` (chapter 10 and the
+capstone count with them too); this module imports them, so ``activations.saved_bytes`` works.
+
 Why hooks and not a memory profiler: on a CPU, allocator statistics (RSS, tracemalloc)
 mix activations with everything else the process allocates; the hooks see exactly what
 backward will need, on any device.
@@ -25,68 +28,11 @@ from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
 
+from .common.memory import block_formula, local_bytes, saved_bytes, zero_bytes
 from .common.models import transformer
 from .common.timing import clock
-from .sharding import local_bytes, zero_bytes
 
 MODES = ("none", "full", "selective")
-
-
-def saved_bytes(fn, parameters=()) -> tuple[int, object]:
-    """Run ``fn()`` and return (bytes autograd saved for backward, fn's result).
-
-    Parameters are left out (they exist anyway); so is anything saved twice: the bytes
-    are those of the distinct memory blocks behind the saved tensors. For a DTensor, the
-    block behind this rank's local part.
-    """
-    mine = {ptr for p in parameters for ptr, _ in _storages(p)}
-    blocks = {}
-
-    def pack(t):
-        for ptr, nbytes in _storages(t):
-            if ptr not in mine:
-                blocks[ptr] = nbytes
-        return t
-
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-        result = fn()
-    return sum(blocks.values()), result
-
-
-def _storages(t: torch.Tensor):
-    """(data pointer, bytes) of the memory behind ``t``.
-
-    A tensor subclass that wraps others (a DTensor, chapter 10: the shard this rank keeps;
-    the pending result of a functional collective) owns no memory itself: its inner tensors do.
-    """
-    from torch.utils._python_dispatch import is_traceable_wrapper_subclass
-
-    if is_traceable_wrapper_subclass(t):
-        names, _ = t.__tensor_flatten__()
-        inner = (getattr(t, name) for name in names)
-        return [block for x in inner if isinstance(x, torch.Tensor) for block in _storages(x)]
-    storage = t.untyped_storage()
-    return [(storage.data_ptr(), storage.nbytes())]
-
-
-def block_formula(batch: int, seq: int, hidden: int, heads: int, attention: str = "naive", bytes_: int = 4) -> int:
-    """Bytes one ``common.models.Block`` saves for backward, from the shapes alone.
-
-    With b = batch, s = sequence, h = hidden, a = heads, in elements of ``bytes_`` bytes:
-
-    - 16 b·s·h: the inputs of both LayerNorms, qkv, proj, fc1 (h each), fc2 and GELU (4h each),
-      and the query, key and value that attention keeps (3h, as copies or as one qkv block);
-    - 4 b·s: each LayerNorm's mean and 1/std per token (kept in fp32);
-    - naive attention: the softmax output a·b·s², plus the boolean causal mask (s² bytes);
-    - fused attention (sdpa): one log-sum-exp per head and token, a·b·s; no s x s matrix.
-    """
-    per_token = 16 * hidden * bytes_ + 4 * 4
-    total = batch * seq * per_token
-    if attention == "naive":
-        return total + heads * batch * seq * seq * bytes_ + seq * seq
-    if attention == "sdpa":
-        return total + heads * batch * seq * 4
-    raise ValueError(f"attention must be 'naive' or 'sdpa', got {attention!r}")
 
 
 def measure_block(batch: int, seq: int, hidden: int = 64, heads: int = 4, attention: str = "naive") -> int:

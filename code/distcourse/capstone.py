@@ -18,6 +18,10 @@ with ``--tp``, tensor parallelism on a ``tp`` dimension (chapter 10's plan); bf1
 activation checkpointing; evaluation on held-out text; a tqdm bar and logs on rank 0 only;
 asynchronous DCP checkpoints and exact resume; a final model gathered for one-process
 inference, and a sample of generated text.
+
+Builds on: ``tensor_parallel.py`` (chapter 10's ``tp_plan``), ``common/distributed.py``
+(process group setup, shared with chapter 07's ``train.py``), ``common/checkpoint_files.py``
+(chapter 05's atomic saves) and ``common/models.py`` (the GPT).
 """
 
 from __future__ import annotations
@@ -28,6 +32,7 @@ import os
 import pathlib
 import signal
 import warnings
+from types import SimpleNamespace
 
 import torch
 import torch.distributed as dist
@@ -35,12 +40,12 @@ import torch.nn.functional as F
 from torch.utils.data import DataLoader, Dataset, DistributedSampler
 from tqdm import tqdm  # the console bar: the script runs in terminals and log files
 
-from . import checkpoints
+from .common.checkpoint_files import atomic_save
+from .common.distributed import check_launcher_env, choose_device, init_distributed, say
 from .common.models import gpt
 from .common.timing import clock
 from .runtime.hardware import rank_device
 from .tensor_parallel import tp_plan
-from .train import check_launcher_env, choose_device, init_distributed, say
 
 COURSE_CHAPTERS = pathlib.Path(__file__).resolve().parents[2] / "chapters" / "en"
 VOCAB = 256  # bytes: no tokenizer to train or ship, and any text in any language is valid input
@@ -291,9 +296,8 @@ def deterministic() -> None:
     torch.use_deterministic_algorithms(True)
 
 
-def train(args, rank: int, world_size: int, device: torch.device) -> dict:
-    master = rank == 0
-    attempt = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
+def setup(args, rank: int, world_size: int, device: torch.device, attempt: int) -> SimpleNamespace:
+    """Model, optimizer, data and the step to start from (after a resume): built once, before the loop."""
     train_bytes, held_bytes = split_corpus(corpus_text(args.corpus), args.held_out)
     model, dp_size, dp_rank = build_model(args, device, world_size)
     optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr)
@@ -307,8 +311,47 @@ def train(args, rank: int, world_size: int, device: torch.device) -> dict:
     start, resumed_from, incomplete = latest_complete(args.ckpt_dir)
     if resumed_from is not None:
         load_state(resumed_from, model, optimizer, ckpt_group)
+    sampler, loader, per_epoch = make_loader(
+        args, Windows(train_bytes, args.seq_len, args.limit_windows), dp_size, dp_rank, device
+    )
+    job = SimpleNamespace(
+        model=model,
+        optimizer=optimizer,
+        amp=amp,
+        precision=precision,
+        ckpt_group=ckpt_group,
+        device=device,
+        dp_size=dp_size,
+        dp_rank=dp_rank,
+        sampler=sampler,
+        loader=loader,
+        per_epoch=per_epoch,
+        start=start,
+        held_out=Windows(held_bytes, args.seq_len),
+        master=rank == 0,
+        rank=rank,
+        attempt=attempt,
+    )
+    if job.master:
+        say(
+            rank,
+            f"attempt {attempt}: {world_size} rank(s) on {device} (dp {dp_size} x tp {args.tp}), "
+            f"{torch.get_num_threads()} thread(s) each, {precision}, "
+            f"{sum(p.numel() for p in model.parameters()):,} parameters, corpus {len(train_bytes):,} + "
+            f"{len(held_bytes):,} bytes, {per_epoch} steps per epoch, {args.workers} loader worker(s) per rank",
+        )
+        if resumed_from is not None:
+            say(
+                rank,
+                f"resumed from {resumed_from.name}" + (f"; incomplete, ignored: {incomplete}" if incomplete else ""),
+            )
+        if args.out:
+            args.out.mkdir(parents=True, exist_ok=True)
+    return job
 
-    dataset = Windows(train_bytes, args.seq_len, args.limit_windows)
+
+def make_loader(args, dataset: Windows, dp_size: int, dp_rank: int, device: torch.device):
+    """The training windows for this rank: (sampler, DataLoader, steps per epoch)."""
     # Every rank of one tp group reads the same samples: the sampler shards over "dp" only.
     sampler = ResumableSampler(
         dataset, num_replicas=dp_size, rank=dp_rank, shuffle=True, seed=args.seed, drop_last=True
@@ -325,85 +368,93 @@ def train(args, rank: int, world_size: int, device: torch.device) -> dict:
         persistent_workers=args.workers > 0,  # the workers outlive an epoch: no restart cost each epoch
         pin_memory=device.type == "cuda",  # page-locked buffers: the copy to the GPU can be asynchronous
     )
-    held_out = Windows(held_bytes, args.seq_len)
-    tokens_per_step = dp_size * args.batch_size * args.seq_len
-    if master:
-        say(
-            rank,
-            f"attempt {attempt}: {world_size} rank(s) on {device} (dp {dp_size} x tp {args.tp}), "
-            f"{torch.get_num_threads()} thread(s) each, {precision}, "
-            f"{sum(p.numel() for p in model.parameters()):,} parameters, corpus {len(train_bytes):,} + "
-            f"{len(held_bytes):,} bytes, {per_epoch} steps per epoch, {args.workers} loader worker(s) per rank",
-        )
-        if resumed_from is not None:
-            say(
-                rank,
-                f"resumed from {resumed_from.name}" + (f"; incomplete, ignored: {incomplete}" if incomplete else ""),
-            )
-        if args.out:
-            args.out.mkdir(parents=True, exist_ok=True)
+    return sampler, loader, per_epoch
 
+
+def train_step(model, optimizer, amp, inputs, targets) -> torch.Tensor:
+    """Forward, backward, optimizer step (torchtitan's ``train_step``); returns the local loss.
+
+    The loss stays a tensor on the device: no ``.item()`` here, which on a GPU would wait for
+    every step to finish. ``flush`` reads many steps' losses at once.
+    """
+    with amp:
+        loss = loss_of(model, inputs, targets)
+    optimizer.zero_grad(set_to_none=True)
+    loss.backward()
+    optimizer.step()
+    return loss.detach()
+
+
+def train(args, rank: int, world_size: int, device: torch.device) -> dict:
+    """The loop: one step per batch, then logging, evaluation and checkpoints when they are due."""
+    attempt = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
+    job = setup(args, rank, world_size, device, attempt)
     show = {"auto": None, "on": False, "off": True}[args.progress]  # tqdm: None = only on a terminal
-    bar = tqdm(total=args.steps, initial=start, unit="step", disable=show if master else True)
-    pending, saving, step, timed = [], None, start, None
-    curve, held_curve = {}, {}  # this attempt's global losses by step, returned to the caller
-    model.train()
-    while step < args.steps:
-        epoch = step // per_epoch
-        sampler.set_epoch(epoch)  # a new order every epoch, the same on every rank
-        sampler.skip = (step % per_epoch) * args.batch_size  # mid-epoch after a resume
-        for inputs, targets in loader:
-            if step == args.kill_at and attempt == 0 and rank == world_size - 1:
-                say(rank, f"killed at step {step}")
+    bar = tqdm(total=args.steps, initial=job.start, unit="step", disable=show if job.master else True)
+    run = SimpleNamespace(pending=[], saving=None, step=job.start, timed=None, curve={}, held={})
+    job.model.train()
+    while run.step < args.steps:
+        job.sampler.set_epoch(run.step // job.per_epoch)  # a new order every epoch, the same on every rank
+        job.sampler.skip = (run.step % job.per_epoch) * args.batch_size  # mid-epoch after a resume
+        for inputs, targets in job.loader:
+            if run.step == args.kill_at and attempt == 0 and rank == world_size - 1:
+                say(rank, f"killed at step {run.step}")
                 os.kill(os.getpid(), signal.SIGKILL)  # no cleanup, no flush: a lost node
-            if step == start + 2:
-                timed = (clock(device), step)  # throughput from the third step: no warm-up
+            if run.step == job.start + 2:
+                run.timed = (clock(device), run.step)  # throughput from the third step: no warm-up
             inputs, targets = inputs.to(device, non_blocking=True), targets.to(device, non_blocking=True)
-            with amp:
-                loss = loss_of(model, inputs, targets)
-            optimizer.zero_grad(set_to_none=True)
-            loss.backward()
-            optimizer.step()
-            pending.append((step, loss.detach()))  # no .item() here: on a GPU that would wait every step
-            step += 1
+            run.pending.append((run.step, train_step(job.model, job.optimizer, job.amp, inputs, targets)))
+            run.step += 1
             bar.update()
-            if step % args.log_every == 0 or step == args.steps:
-                logged = flush(pending, args.out if master else None, attempt, curve)
-                bar.set_postfix(loss=f"{logged:.3f}", refresh=False)
-                if master:
-                    say(rank, f"step {step}: loss {logged:.4f}")
-            if step % args.eval_every == 0 or step == args.steps:
-                held = held_curve[step] = evaluate(model, held_out, args, dp_size, dp_rank, device, amp)
-                if master:
-                    say(rank, f"step {step}: held-out loss {held:.4f}")
-                    write(args.out, {"step": step, "held-out": held, "attempt": attempt})
-            if args.ckpt_dir and step % args.save_every == 0:
-                flush(pending, args.out if master else None, attempt, curve)
-                saving = save(args.ckpt_dir, step, model, optimizer, ckpt_group, saving, args.sync_save)
-            if step == args.steps:
+            after_step(job, run, args, bar)
+            if run.step == args.steps:
                 break
-    seconds = clock(device) - timed[0] if timed else float("nan")
+    return finish(job, run, args, bar, world_size)
+
+
+def after_step(job, run, args, bar) -> None:
+    """Log the losses, evaluate on held-out text and checkpoint, each when its interval has come."""
+    step, out = run.step, args.out if job.master else None
+    if step % args.log_every == 0 or step == args.steps:
+        logged = flush(run.pending, out, job.attempt, run.curve)
+        bar.set_postfix(loss=f"{logged:.3f}", refresh=False)
+        if job.master:
+            say(job.rank, f"step {step}: loss {logged:.4f}")
+    if step % args.eval_every == 0 or step == args.steps:
+        held = run.held[step] = evaluate(job.model, job.held_out, args, job.dp_size, job.dp_rank, job.device, job.amp)
+        if job.master:
+            say(job.rank, f"step {step}: held-out loss {held:.4f}")
+            write(args.out, {"step": step, "held-out": held, "attempt": job.attempt})
+    if args.ckpt_dir and step % args.save_every == 0:
+        flush(run.pending, out, job.attempt, run.curve)
+        run.saving = save(args.ckpt_dir, step, job.model, job.optimizer, job.ckpt_group, run.saving, args.sync_save)
+
+
+def finish(job, run, args, bar, world_size: int) -> dict:
+    """After the last step: wait for the last save, measure throughput, export and sample the model."""
+    seconds = clock(job.device) - run.timed[0] if run.timed else float("nan")
     bar.close()
-    if saving is not None:
-        saving.result()  # the last asynchronous save must finish before the process ends
+    if run.saving is not None:
+        run.saving.result()  # the last asynchronous save must finish before the process ends
+    tokens_per_step = job.dp_size * args.batch_size * args.seq_len
     result = {
         "world size": world_size,
-        "dp": dp_size,
+        "dp": job.dp_size,
         "tp": args.tp,
         "threads": torch.get_num_threads(),
-        "precision": precision,
-        "resumed from": start,
-        "tokens per second": (step - timed[1]) * tokens_per_step / seconds if timed else None,
-        "loss": curve,
-        "held-out": held_curve,
+        "precision": job.precision,
+        "resumed from": job.start,
+        "tokens per second": (run.step - run.timed[1]) * tokens_per_step / seconds if run.timed else None,
+        "loss": run.curve,
+        "held-out": run.held,
     }
-    final = export(model, args, master)
-    if master:
+    final = export(job.model, args, job.master)
+    if job.master:
         text = generate(final, args.prompt, args.sample_bytes, args.seq_len, seed=args.seed)
         result["sample"] = text
         if args.out:
             (args.out / "sample.txt").write_text(text, encoding="utf-8")
-        say(rank, "result " + json.dumps({k: v for k, v in result.items() if k not in ("loss", "held-out")}))
+        say(job.rank, "result " + json.dumps({k: v for k, v in result.items() if k not in ("loss", "held-out")}))
     return result
 
 
@@ -486,7 +537,7 @@ def export(model, args, master: bool):
     final = gpt(None, vocab=VOCAB, hidden=args.hidden, heads=args.heads, layers=args.layers)
     final.load_state_dict(state)
     if args.out:
-        checkpoints.atomic_save(state, args.out / "final.pt")
+        atomic_save(state, args.out / "final.pt")
     return final
 
 

@@ -291,7 +291,7 @@ def all_gather_chunk(rank: int, step: int, n: int) -> int:
     return (rank + 1 - step) % n
 
 
-def _exchange(send: torch.Tensor, dst: int, recv: torch.Tensor, src: int, traffic: Traffic | None) -> None:
+def exchange(send: torch.Tensor, dst: int, recv: torch.Tensor, src: int, traffic: Traffic | None) -> None:
     """Send one chunk to ``dst`` while receiving one from ``src``.
 
     Both are posted before either is waited on, so a ring of ranks cannot block
@@ -321,13 +321,13 @@ def ring_all_reduce(tensor: torch.Tensor, traffic: Traffic | None = None) -> tor
     for step in range(n - 1):
         send, recv = reduce_scatter_chunk(rank, step, n), reduce_scatter_chunk(left, step, n)
         incoming = torch.empty_like(chunks[recv])
-        _exchange(chunks[send], right, incoming, left, traffic)
+        exchange(chunks[send], right, incoming, left, traffic)
         chunks[recv].add_(incoming)
 
     # All-gather: pass the complete chunks around; each arrives straight in place.
     for step in range(n - 1):
         send, recv = all_gather_chunk(rank, step, n), all_gather_chunk(left, step, n)
-        _exchange(chunks[send], right, chunks[recv], left, traffic)
+        exchange(chunks[send], right, chunks[recv], left, traffic)
     return tensor
 
 

@@ -23,9 +23,9 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
-from . import sharding
 from .common.models import mlp, transformer
-from .common.timing import clock
+from .common.sharded import rank_batch
+from .common.timing import clock, first_and_steady
 from .common.training import global_mean, wrap_ddp
 from .runtime.hardware import rank_device
 
@@ -106,7 +106,7 @@ def compile_cost(backend: str = "aot_eager", steps: int = 8, layers: int = 2) ->
             out = fn(x)
             out.square().mean().backward()
             seconds.append(clock() - started)
-        result[name] = {"first": seconds[0], "steady": sorted(seconds[1:])[len(seconds[1:]) // 2], "out": out}
+        result[name] = first_and_steady(seconds) | {"out": out}
     result["output_gap"] = (result["eager"].pop("out") - result["compiled"].pop("out")).abs().max().item()
     result["grad_gap"] = max(
         (a.grad - b.grad).abs().max().item() for a, b in zip(eager.parameters(), compiled.parameters(), strict=True)
@@ -196,7 +196,7 @@ def ddp_train(compiled: bool = True, bucket_cap_mb: float = 25.0, steps: int = 1
     losses, seconds = [], []
     for step in range(steps):
         started = clock(device)  # on a GPU: after the previous step's kernels have run
-        x, y = (t.to(device) for t in sharding._batch(rank, world, step))  # chapter 08's batches
+        x, y = (t.to(device) for t in rank_batch(rank, world, step))  # chapter 08's batches
         loss = F.cross_entropy(forward(x), y)
         optimizer.zero_grad()
         loss.backward()
@@ -206,11 +206,11 @@ def ddp_train(compiled: bool = True, bucket_cap_mb: float = 25.0, steps: int = 1
     # DDP starts with one bucket and re-forms its buckets in the order gradients arrived;
     # its logging data (refreshed at step 10) says how many it ended up with.
     buckets = len(model._get_ddp_logging_data()["rebuilt_bucket_sizes"].split(", "))
-    later = sorted(seconds[1:])
+    timed = first_and_steady(seconds)
     return {
         "losses": losses,
-        "first_step": seconds[0],
-        "steady_step": later[len(later) // 2],
+        "first_step": timed["first"],
+        "steady_step": timed["steady"],
         "graphs": backend.graphs,
         "buckets": buckets,
     }
@@ -248,4 +248,5 @@ def fsdp_train(compiled: bool = True, layers: int = 4, steps: int = 4) -> dict:
         optimizer.step()
         seconds.append(clock(device) - started)
         losses.append(global_mean(loss))
-    return {"losses": losses, "first_step": seconds[0], "steady_step": min(seconds[1:]), "graphs": backend.graphs}
+    timed = first_and_steady(seconds)
+    return {"losses": losses, "first_step": timed["first"], "steady_step": timed["steady"], "graphs": backend.graphs}

@@ -32,6 +32,7 @@ from torch import nn
 from .common import numerics
 from .common.datasets import digits_batch
 from .common.models import mlp  # chapter 02 builds its models from here: data_parallel.mlp
+from .common.replicas import params_of  # written once for chapters 02 and 04: data_parallel.params_of
 from .common.timing import Stopwatch, clock
 from .runtime.hardware import gpu_count, rank_device
 from .runtime.i18n import number, tr
@@ -144,11 +145,6 @@ def full_batch_step(model: nn.Module, x, y, lr: float = 0.1):
     loss, outputs = forward_backward(reference, x, y)
     sgd_step([reference], lr)
     return reference, outputs, loss.item()
-
-
-def params_of(model: nn.Module) -> list[torch.Tensor]:
-    """The model's parameters, detached, on the CPU (to compare models across devices)."""
-    return [p.detach().cpu() for p in model.parameters()]
 
 
 def max_difference(a: nn.Module, b: nn.Module) -> float:

@@ -342,7 +342,7 @@ def torchrun_crash(fail: str = "exception", timeout: float = 60.0) -> dict:
     Returns torchrun's exit code, its "Root Cause" block parsed into fields, and the error
     file that ``@record`` wrote for the failing rank (None when a signal killed it).
     """
-    from .torchrun_tools import child_env, torchrun
+    from .common.subprocesses import child_env, torchrun
 
     command = torchrun(
         "--standalone",

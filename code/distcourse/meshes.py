@@ -9,6 +9,9 @@
    and ``choose``: a layout for a model, a GPU and a cluster, derived from those formulas
    and chapter 08-09's memory formulas.
 
+The GPT's sizes, plan, batches, loss and one-process reference come from chapter 10's first part.
+Builds on: tensor_parallel
+
 Rank functions live here, not in the notebook, because rank processes import them by name.
 """
 
@@ -21,9 +24,9 @@ import torch.distributed as dist
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from .common.models import gpt
+from .common.sharded import full
 from .runtime.hardware import rank_device
-from .sharding import full
-from .tensor_parallel import SIZES, _loss, reference_train, tokens, tp_plan
+from .tensor_parallel import SIZES, lm_loss, reference_train, tokens, tp_plan
 
 LAYOUTS = ("fsdp", "tp+fsdp", "hsdp")
 GLOBAL_BATCH = 8
@@ -140,7 +143,7 @@ def mesh_train(layout: str = "tp+fsdp", steps: int = 3) -> dict:
         inputs, targets = (t[part].to(device) for t in tokens(step, batch=GLOBAL_BATCH))
         recorder = CommVolume()
         with recorder if step == 0 else nullcontext():
-            loss = _loss(model(inputs), targets)
+            loss = lm_loss(model(inputs), targets)
             optimizer.zero_grad()
             loss.backward()
         optimizer.step()
@@ -271,7 +274,7 @@ def memory_per_gpu(
     checkpointing (chapter 09): every block's input, and one block's activations at a time.
     With TP (and sequence parallelism) a group of g GPUs holds g · batch sequences and splits
     all of those activations g ways."""
-    from .activations import block_formula
+    from .common.memory import block_formula
 
     g, m = gpus_per_node, nodes
     shards = {"ddp": 1, "hsdp": g, "fsdp": g * m, "tp+fsdp": g * m}[layout]

@@ -19,9 +19,9 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
-from . import sharding
 from .common.datasets import digits_batch
 from .common.models import mlp
+from .common.sharded import make_model, shard_model
 from .common.timing import clock
 from .common.training import global_mean, wrap_ddp
 from .runtime.hardware import rank_device
@@ -169,7 +169,7 @@ def fsdp_policy(param_dtype: str | None = "bf16", reduce_dtype: str | None = "fp
     policy = MixedPrecisionPolicy(
         param_dtype=FORMATS.get(param_dtype), reduce_dtype=FORMATS.get(reduce_dtype)
     )  # None: keep the parameter's own dtype
-    model = sharding.shard_model(sharding.make_model().to(device), mp_policy=policy)  # chapter 08's model
+    model = shard_model(make_model().to(device), mp_policy=policy)  # chapter 08's model
     optimizer = torch.optim.SGD(model.parameters(), lr=0.3)
 
     seen = {"sharded parameter": model[0].weight.dtype}

@@ -9,6 +9,8 @@ micro-batches and decides in which order each stage runs its forwards and backwa
   time of every forward and backward recorded, so the notebook can draw the schedule;
 * ``ddp_pipeline_step``: 2 x 2 ranks, two data-parallel replicas of a 2-stage pipeline,
   each stage wrapped in ``DistributedDataParallel`` over its own process group.
+
+Builds on: model_parallel
 """
 
 from __future__ import annotations
@@ -112,6 +114,15 @@ def _grid_groups(world: int):
     return pipelines[rank // 2], replicas[rank % 2]
 
 
+def _report(replica: int, stage: int, samples: int, loss: float | None) -> None:
+    """One line per rank: where it sits in the grid, its samples, and the loss on a last stage."""
+    if loss is None:
+        print(tr("replica {replica}, stage {stage}: {n} samples").format(replica=replica, stage=stage, n=samples))
+    else:
+        text = tr("replica {replica}, stage {stage}: {n} samples, loss {loss}")
+        print(text.format(replica=replica, stage=stage, n=samples, loss=number(loss, 4)))
+
+
 def ddp_pipeline_step(model_kwargs: dict, x, y, n_micro: int, lr: float = 0.1) -> dict:
     """Rank function for 2k ranks: k data-parallel replicas of a 2-stage 1F1B pipeline.
 
@@ -155,14 +166,7 @@ def ddp_pipeline_step(model_kwargs: dict, x, y, n_micro: int, lr: float = 0.1) -
     optimizer = torch.optim.SGD(module.parameters(), lr=lr)
     optimizer.step()
     loss = sum(loss.item() for loss in losses) / n_micro if losses else None
-    if loss is None:
-        print(tr("replica {replica}, stage {stage}: {n} samples").format(replica=replica, stage=index, n=len(xr)))
-    else:
-        print(
-            tr("replica {replica}, stage {stage}: {n} samples, loss {loss}").format(
-                replica=replica, stage=index, n=len(xr), loss=number(loss, 4)
-            )
-        )
+    _report(replica, index, len(xr), loss)
     return {
         "replica": replica,
         "stage": index,

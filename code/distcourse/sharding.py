@@ -2,14 +2,16 @@
 
 Three parts, each readable on its own:
 
-1. the arithmetic: ``zero_bytes`` (the ZeRO stage formulas) and ``placement`` (what stays
-   on the GPU and what moves to CPU memory when states are offloaded);
+1. the arithmetic: ``zero_bytes`` (the ZeRO stage formulas, in ``common/memory.py`` because
+   chapters 09-10 use them too) and ``placement`` (what stays on the GPU and what moves to
+   CPU memory when states are offloaded);
 2. measuring: ``measure_memory`` wraps the same model three ways on every rank (DDP,
    DDP + ``ZeroRedundancyOptimizer``, FSDP2 ``fully_shard``), takes one Adam step and
    counts the bytes each rank really holds: the local shards, not a formula;
 3. correctness: ``fsdp_train`` trains with FSDP2 and gathers the full weights, to be
    compared with ``reference_train``, the same training in one process.
 
+The MLP, its batches and ``shard_model`` (FSDP2 layer by layer) are in ``common/sharded.py``.
 Rank functions live here, not in the notebook, because rank processes import them by name.
 """
 
@@ -21,37 +23,15 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from .common.models import mlp
+# The ZeRO formulas and the sharded MLP are shared with chapters 09-10 (common/), and
+# taught here: the notebook reads them as sharding.zero_bytes, sharding.make_model...
+from .common.memory import FP32_ADAM as FP32_ADAM
+from .common.memory import MIXED_ADAM, local_bytes, zero_bytes
+from .common.memory import PARTS as PARTS
+from .common.sharded import local_part, make_model, rank_batch, shard_model
 from .common.training import wrap_ddp
 from .runtime.hardware import rank_device
 from .runtime.i18n import number, tr
-
-# Bytes per parameter for Adam. Mixed precision (ZeRO paper): 16-bit weights and gradients
-# for the forward and backward pass, and in the optimizer an fp32 master copy of the weights
-# plus Adam's two moments (4 + 4 + 4). Plain fp32: the weights are their own master copy.
-MIXED_ADAM = {"params": 2, "grads": 2, "optimizer": 12}
-FP32_ADAM = {"params": 4, "grads": 4, "optimizer": 8}
-PARTS = ("params", "grads", "optimizer")
-
-# --------------------------------------------------------------------------------------
-# 1. Arithmetic
-# --------------------------------------------------------------------------------------
-
-
-def zero_bytes(num_params: int, world_size: int, stage: int, bytes_per_param: dict = MIXED_ADAM) -> dict:
-    """Bytes of model states one rank holds under ZeRO ``stage`` (0 = plain DDP).
-
-    Stage 1 shards the optimizer state over the ranks, stage 2 also the gradients,
-    stage 3 (FSDP) also the parameters; what is not sharded is a full copy per rank.
-    """
-    if stage not in (0, 1, 2, 3):
-        raise ValueError(f"ZeRO stage must be 0, 1, 2 or 3, got {stage!r}")
-    sharded_from = {"optimizer": 1, "grads": 2, "params": 3}  # the first stage that shards each part
-    out = {}
-    for part in PARTS:
-        total = num_params * bytes_per_param[part]
-        out[part] = total / world_size if stage >= sharded_from[part] else total
-    return out
 
 
 def placement(
@@ -90,43 +70,6 @@ def placement(
 # --------------------------------------------------------------------------------------
 
 
-def make_model(hidden: int = 256) -> nn.Module:
-    """An MLP for 8x8 digit images; every weight's first dimension is even, so 2 ranks split it exactly."""
-    return mlp(width=hidden, depth=2, seed=0)  # the same initial weights in every rank and in the reference
-
-
-def _local(t: torch.Tensor) -> torch.Tensor:
-    """The part of a tensor this rank stores: a DTensor's local shard, else the tensor itself."""
-    return t.to_local() if hasattr(t, "to_local") else t
-
-
-def full(t: torch.Tensor) -> torch.Tensor:
-    """The whole tensor: a DTensor gathered from its shards (a collective), else the tensor itself."""
-    return t.full_tensor() if hasattr(t, "full_tensor") else t
-
-
-def count_collectives(comm_mode) -> dict:
-    """``CommDebugMode``'s counts under plain names (all-gather, reduce-scatter, all-reduce,
-    all-to-all), whether the collective came through ``torch.distributed`` or DTensor."""
-    plain = {"all_gather": "all-gather", "allgather": "all-gather", "reduce_scatter": "reduce-scatter"}
-    plain |= {
-        "all_reduce": "all-reduce",
-        "allreduce": "all-reduce",
-        "all_to_all": "all-to-all",
-        "alltoall": "all-to-all",
-    }
-    out = {}
-    for op, n in comm_mode.get_comm_counts().items():
-        name = next((p for key, p in plain.items() if key in str(op)), str(op))
-        out[name] = out.get(name, 0) + n
-    return out
-
-
-def local_bytes(tensors) -> int:
-    """Bytes of the elements this rank holds (its shard of a sharded tensor)."""
-    return sum(_local(t).numel() * _local(t).element_size() for t in tensors)
-
-
 def storage_bytes(tensors) -> int:
     """Bytes of the memory blocks behind those elements, each block counted once.
 
@@ -135,7 +78,7 @@ def storage_bytes(tensors) -> int:
     """
     blocks = {}
     for t in tensors:
-        storage = _local(t).untyped_storage()
+        storage = local_part(t).untyped_storage()
         blocks[storage.data_ptr()] = storage.nbytes()
     return sum(blocks.values())
 
@@ -154,42 +97,12 @@ def memory_report(model: nn.Module, optimizer) -> dict:
         "step_counters": local_bytes(steps),
         "params_storage": storage_bytes(params),
         "grads_storage": storage_bytes(grads),
-        "numel": {name: _local(p).numel() for name, p in model.named_parameters()},
+        "numel": {name: local_part(p).numel() for name, p in model.named_parameters()},
     }
 
 
-def shard_model(model: nn.Module, mp_policy=None, **options) -> nn.Module:
-    """FSDP2: shard every Linear as its own unit, then the root (which owns what is left).
-
-    Per-layer units are what keeps memory low during the forward pass: only the layer
-    that is computing is gathered whole, then its full weights are freed again.
-    ``mp_policy``: a ``MixedPrecisionPolicy`` for every unit (chapter 09); None keeps fp32.
-    ``options`` go to every ``fully_shard`` call (chapter 09: ``reshard_after_forward``,
-    ``offload_policy``).
-    """
-    from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.fsdp import fully_shard
-
-    mesh = init_device_mesh(rank_device().type, (dist.get_world_size(),))
-    policy = ({"mp_policy": mp_policy} if mp_policy is not None else {}) | options
-    for layer in model:
-        if isinstance(layer, nn.Linear):
-            fully_shard(layer, mesh=mesh, **policy)
-    fully_shard(model, mesh=mesh, **policy)
-    return model
-
-
-def _batch(rank: int, world_size: int, step: int = 0, batch_size: int = 32):
-    """This rank's part of global batch ``step``: a fixed random tensor shared by all runs."""
-    generator = torch.Generator().manual_seed(1000 + step)
-    x = torch.randn(batch_size * world_size, 64, generator=generator)
-    y = torch.randint(0, 10, (batch_size * world_size,), generator=generator)
-    part = slice(rank * batch_size, (rank + 1) * batch_size)
-    return x[part], y[part]
-
-
 def _one_step(model, optimizer, device) -> None:
-    x, y = _batch(dist.get_rank(), dist.get_world_size())
+    x, y = rank_batch(dist.get_rank(), dist.get_world_size())
     nn.functional.cross_entropy(model(x.to(device)), y.to(device)).backward()
     optimizer.step()  # no zero_grad: the gradients should still be there to be counted
 
@@ -233,12 +146,12 @@ def watch_unsharding() -> list:
 
     def look(when):
         weight = model[0].weight
-        return when, type(weight).__name__, tuple(_local(weight).shape)
+        return when, type(weight).__name__, tuple(local_part(weight).shape)
 
     seen = [look("before forward")]
     # A pre-hook registered after fully_shard runs after FSDP's own pre-hook, which all-gathers.
     model[0].register_forward_pre_hook(lambda module, inputs: seen.append(look("while computing")))
-    x, _ = _batch(dist.get_rank(), dist.get_world_size())
+    x, _ = rank_batch(dist.get_rank(), dist.get_world_size())
     model(x.to(rank_device()))
     seen.append(look("after forward"))
     return seen
@@ -256,7 +169,7 @@ def fsdp_train(steps: int = 3, lr: float = 1e-3) -> dict:
     optimizer = torch.optim.Adam(model.parameters(), lr=lr)
     losses = []
     for step in range(steps):
-        x, y = _batch(dist.get_rank(), dist.get_world_size(), step)
+        x, y = rank_batch(dist.get_rank(), dist.get_world_size(), step)
         loss = nn.functional.cross_entropy(model(x.to(device)), y.to(device))
         loss.backward()  # reduce-scatter: each rank receives the averaged gradient of its shard
         optimizer.step()  # Adam updates the local shard only
@@ -272,7 +185,7 @@ def reference_train(world_size: int = 2, steps: int = 3, lr: float = 1e-3) -> di
     model = make_model()
     optimizer = torch.optim.Adam(model.parameters(), lr=lr)
     for step in range(steps):
-        parts = [_batch(r, world_size, step) for r in range(world_size)]
+        parts = [rank_batch(r, world_size, step) for r in range(world_size)]
         x, y = torch.cat([p[0] for p in parts]), torch.cat([p[1] for p in parts])
         nn.functional.cross_entropy(model(x), y).backward()
         optimizer.step()

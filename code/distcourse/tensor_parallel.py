@@ -22,10 +22,10 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
-from .activations import saved_bytes
+from .common.memory import saved_bytes
 from .common.models import gpt
+from .common.sharded import count_collectives, full
 from .runtime.hardware import rank_device
-from .sharding import count_collectives, full
 
 # What each change of placement costs: the collective DTensor issues (gloo has no all-to-all,
 # so Shard(0) -> Shard(1) becomes an all-gather followed by a local chunk).
@@ -242,7 +242,8 @@ def tokens(step: int, batch: int = 4, seq: int = 32, vocab: int = SIZES["vocab"]
     return tokens[:, :-1], tokens[:, 1:]  # predict each next token
 
 
-def _loss(logits, targets):
+def lm_loss(logits, targets):
+    """Next-token cross-entropy of a language model: logits (batch, seq, vocab), targets (batch, seq)."""
     return F.cross_entropy(logits.flatten(0, 1), targets.flatten())
 
 
@@ -273,7 +274,7 @@ def reference_train(steps: int = 3, batch: int = 4) -> dict:
     losses = []
     for step in range(steps):
         inputs, targets = tokens(step, batch=batch)
-        loss = _loss(model(inputs), targets)
+        loss = lm_loss(model(inputs), targets)
         optimizer.zero_grad()
         loss.backward()
         optimizer.step()
@@ -306,7 +307,7 @@ def tp_train(sequence_parallel: bool = False, loss_parallel: bool = False, steps
             else:
                 logits = model(inputs)
             with loss_parallel_context() if loss_parallel else nullcontext():
-                loss = _loss(logits, targets)
+                loss = lm_loss(logits, targets)
         with CommDebugMode() as backward, loss_parallel_context() if loss_parallel else nullcontext():
             optimizer.zero_grad()
             loss.backward()

@@ -8,6 +8,9 @@ torchrun sets RANK (and WORLD_SIZE, LOCAL_RANK, MASTER_ADDR, ...) for every work
 starts; a plain ``python`` run has no RANK. ``--batch-size`` is per process, so the two
 commands above train on the same global batch of 16 and end with the same weights.
 
+Builds on: ``common/distributed.py`` (process group setup, shared with chapter 12's
+capstone) and ``common/checkpoint_files.py`` (chapter 05's atomic saves).
+
 Only the master process (global rank 0) logs losses and writes files. With ``--ckpt-dir``
 it saves the training state every ``--save-every`` steps and, when it starts, continues
 from the newest checkpoint there: that is what lets torchrun restart a crashed job
@@ -17,7 +20,6 @@ from the newest checkpoint there: that is what lets torchrun restart a crashed j
 from __future__ import annotations
 
 import argparse
-import datetime
 import json
 import os
 import pathlib
@@ -30,7 +32,8 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 from tqdm import tqdm  # the console bar: the script runs in terminals and log files
 
-from . import checkpoints
+from .common.checkpoint_files import atomic_save, checkpoint_path, latest_checkpoint, load_checkpoint
+from .common.distributed import check_launcher_env, choose_device, init_distributed, say
 
 # What --print-env shows: the variables torchrun sets for each worker, and CUDA_VISIBLE_DEVICES,
 # which it does not set (unless --virtual-local-rank): workers inherit it from the agent.
@@ -80,83 +83,6 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 
 # --------------------------------------------------------------------------------------
-# Setting up and tearing down the process group
-# --------------------------------------------------------------------------------------
-
-
-def choose_device(local_rank: int, local_world_size: int) -> tuple[torch.device, str]:
-    """One GPU per process if this node has enough of them, else the CPU (gloo).
-
-    ``cuda:LOCAL_RANK`` is unique on a machine only if one agent runs there: several torchrun
-    agents on one machine (chapter 07's simulated nodes) all start at LOCAL_RANK 0, so each
-    must be started with GPUs of its own (``torchrun_tools.node_envs``).
-    """
-    if torch.cuda.is_available() and torch.cuda.device_count() >= local_world_size:
-        return torch.device("cuda", local_rank), "nccl"
-    return torch.device("cpu"), "gloo"
-
-
-def init_distributed(backend: str, device: torch.device, timeout: float) -> dict:
-    """init_process_group for a torchrun worker, safe to repeat after an elastic restart.
-
-    Workers meet in a key-value store at MASTER_ADDR:MASTER_PORT: each rank writes its
-    address there under a fixed key and reads the others'. Which store that is decides
-    whether a restart works:
-
-    - ``TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1`` in the agents' environment (workers then see
-      ``TORCHELASTIC_USE_AGENT_STORE=False``): in every rendezvous round the agent of node 0
-      picks a new free port and publishes it through that round of the rendezvous, which
-      all nodes read alike; worker rank 0 hosts a new, empty store there. Plain ``env://``.
-    - torchrun's default (``TORCHELASTIC_USE_AGENT_STORE=True``): the store belongs to node
-      0's agent and outlives restarts, still holding the keys of the crashed attempt, which
-      a new worker may read before its peer has replaced them. Each attempt then needs a
-      key of its own. The only one a worker is given is ``TORCHELASTIC_RESTART_COUNT``,
-      and that count is kept by each agent: on one node it names every attempt uniquely,
-      but with several nodes a node restarted by a peer's failure or by a joining node
-      does not count that restart (and a node that joins late starts at 0). Ranks on
-      different nodes would wait under different names until the timeout. So: the prefix
-      ``attempt<count>/`` on one node, and a clear error where it cannot be right.
-
-    Returns what the chapter shows: the kind of store, and the keys that earlier attempts
-    left in the agent's store.
-    """
-    rank, world_size = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
-    attempt = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
-    limit = datetime.timedelta(seconds=timeout)  # gloo's default would be 30 minutes
-    # NCCL binds its communicator to the device given here; torch refuses device_id on the CPU.
-    on_gpu = {"device_id": device} if device.type == "cuda" else {}
-    if device.type == "cuda":
-        torch.cuda.set_device(device)  # before init_process_group: NCCL starts on this GPU
-    if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True":
-        # A new store every rendezvous round (or not torchrun at all): nothing stale to avoid.
-        dist.init_process_group(backend, init_method="env://", timeout=limit, **on_gpu)
-        return {"store": "new each round", "left_over": []}
-    nodes, restarts = env_int("GROUP_WORLD_SIZE", default=1), env_int("TORCHELASTIC_MAX_RESTARTS", default=0)
-    if nodes > 1 and restarts > 0:
-        raise ValueError(
-            f"{nodes} nodes with --max-restarts={restarts} and torchrun's shared store: restart "
-            "counts differ between nodes, so attempts cannot be told apart. Start every torchrun "
-            "agent with TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 (a new store each rendezvous round)"
-        )
-    launcher_store = dist.TCPStore(
-        os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), is_master=False, timeout=limit
-    )
-    prefix = f"attempt{attempt}/"
-    left_over = keys_left_over(launcher_store, prefix)
-    store = dist.PrefixStore(prefix, launcher_store)
-    dist.init_process_group(backend, store=store, rank=rank, world_size=world_size, timeout=limit, **on_gpu)
-    return {"store": "agent's, prefix " + prefix, "left_over": left_over}
-
-
-def keys_left_over(store, prefix: str) -> list[str] | None:
-    """Keys in ``store`` outside ``prefix``; None where this torch cannot list a TCPStore."""
-    try:
-        return sorted(k for k in store.list_keys() if not k.startswith(prefix))
-    except (AttributeError, NotImplementedError, RuntimeError):
-        return None
-
-
-# --------------------------------------------------------------------------------------
 # Model, data, checkpoints
 # --------------------------------------------------------------------------------------
 
@@ -189,18 +115,18 @@ def batch_for(data, step: int, rank: int, world_size: int, batch_size: int):
 
 
 def save_state(directory: pathlib.Path, model, optimizer, step: int) -> pathlib.Path:
-    path = checkpoints.checkpoint_path(directory, step)
+    path = checkpoint_path(directory, step)
     state = {"model": model.state_dict(), "optimizer": optimizer.state_dict(), "step": step}
-    checkpoints.atomic_save(state, path)  # chapter 05: a crash mid-save never leaves a partial file
+    atomic_save(state, path)  # chapter 05: a crash mid-save never leaves a partial file
     return path
 
 
 def resume(directory: pathlib.Path | None, model, optimizer) -> tuple[int, str | None]:
     """Load the newest checkpoint in ``directory`` if there is one; returns (step, its name)."""
-    path = checkpoints.latest_checkpoint(directory) if directory is not None else None
+    path = latest_checkpoint(directory) if directory is not None else None
     if path is None:
         return 0, None
-    state = checkpoints.load_checkpoint(path, map_location="cpu")  # torch.load(weights_only=True)
+    state = load_checkpoint(path, map_location="cpu")  # torch.load(weights_only=True)
     model.load_state_dict(state["model"])
     optimizer.load_state_dict(state["optimizer"])  # SGD's momentum buffers
     return state["step"], path.name
@@ -209,43 +135,6 @@ def resume(directory: pathlib.Path | None, model, optimizer) -> tuple[int, str |
 # --------------------------------------------------------------------------------------
 # The script
 # --------------------------------------------------------------------------------------
-
-
-def say(rank: int, text: str) -> None:
-    # One write per line: workers share the launcher's stdout, and a line written in one
-    # call is not broken up by another rank's output.
-    sys.stdout.write(f"[rank {rank}] {text}\n")
-    sys.stdout.flush()
-
-
-def env_int(name: str, default: int | None = None, minimum: int = 0) -> int:
-    """An integer the launcher put in the environment, or a clear error if it is not one."""
-    value = os.environ.get(name)
-    if value is None:
-        if default is None:
-            raise ValueError(f"{name} is not set: run this script with torchrun, or unset RANK to run one process")
-        return default
-    try:
-        number = int(value)
-    except ValueError:
-        raise ValueError(f"{name}={value!r} is not an integer; let torchrun set it") from None
-    if number < minimum:
-        raise ValueError(f"{name}={number} must be at least {minimum}")
-    return number
-
-
-def check_launcher_env() -> None:
-    """Refuse launcher variables that are missing, not integers, or inconsistent."""
-    env_int("TORCHELASTIC_RESTART_COUNT", default=0)
-    if env_int("RANK", default=-1, minimum=-1) == -1:
-        return  # one process
-    rank, local_rank = env_int("RANK"), env_int("LOCAL_RANK")
-    world_size, local_world_size = env_int("WORLD_SIZE", minimum=1), env_int("LOCAL_WORLD_SIZE", minimum=1)
-    if not (rank < world_size and local_rank < local_world_size):
-        raise ValueError(
-            f"RANK={rank} / LOCAL_RANK={local_rank} do not fit WORLD_SIZE={world_size} / "
-            f"LOCAL_WORLD_SIZE={local_world_size}; let torchrun set these variables"
-        )
 
 
 def main(argv=None) -> None:
@@ -280,32 +169,14 @@ def train(args, rank: int, world_size: int, device, attempt: int, master_process
     optimizer = torch.optim.SGD(model.parameters(), lr=args.lr, momentum=0.9)
     start, resumed_from = resume(args.ckpt_dir, model, optimizer)
     if master_process:
-        where = f"{dist.get_backend()} on {device}" if distributed else f"one process on {device}"
-        say(
-            rank,
-            f"attempt {attempt}: world size {world_size} ({where}), global batch "
-            f"{world_size * args.batch_size}, {torch.get_num_threads()} thread(s) per process",
-        )
-        if resumed_from:
-            say(rank, f"resumed from step {start} ({resumed_from})")
+        announce(args, rank, world_size, device, attempt, start, resumed_from)
     net = DDP(model, device_ids=[device.index] if device.type == "cuda" else None) if distributed else model
     data = make_data(args.seed)
     if args.out and master_process:
         args.out.mkdir(parents=True, exist_ok=True)
 
     loss = torch.zeros(())
-    # One bar, on the master process only: every rank drawing its own would interleave. tqdm
-    # writes to stderr; in a log file (a SLURM job, a notebook capturing the output) each
-    # redraw would be a line of its own, so "auto" draws only on a terminal (disable=None).
-    show = {"auto": None, "on": False, "off": True}[args.progress]
-    bar = tqdm(
-        range(start, args.steps),
-        initial=start,
-        total=args.steps,
-        unit="step",
-        desc=f"rank {rank}, attempt {attempt}",
-        disable=show if master_process else True,
-    )
+    bar = progress_bar(args, rank, attempt, start, master_process)
     for step in bar:
         if step == args.hang_at and rank == world_size - 1:
             say(rank, f"simulated hang before step {step}")
@@ -323,27 +194,60 @@ def train(args, rank: int, world_size: int, device, attempt: int, master_process
             time.sleep(args.step_seconds)
         loss = global_mean(loss.detach())  # the loss of the whole global batch
         bar.set_postfix(loss=f"{loss.item():.4f}", refresh=False)
-        if master_process and args.out:
-            with open(args.out / "losses.jsonl", "a") as f:
-                f.write(json.dumps({"step": step, "loss": loss.item(), "attempt": attempt}) + "\n")
-        if args.ckpt_dir and (step + 1) % args.save_every == 0:
-            if master_process:
-                args.ckpt_dir.mkdir(parents=True, exist_ok=True)
-                say(rank, f"step {step + 1}: checkpoint {save_state(args.ckpt_dir, model, optimizer, step + 1).name}")
-            if distributed:
-                dist.barrier()  # nobody runs ahead of a checkpoint that is still being written
-
+        log_and_checkpoint(args, rank, step, loss, attempt, model, optimizer, master_process)
     bar.close()
     if master_process:
-        if args.out:
-            checkpoints.atomic_save({k: v.cpu() for k, v in model.state_dict().items()}, args.out / "final.pt")
-        say(
-            rank,
-            "result "
-            + json.dumps(
-                {"steps": args.steps, "world_size": world_size, "loss": loss.item(), "checksum": checksum(model)}
-            ),
-        )
+        finish(args, rank, world_size, model, loss)
+
+
+def announce(args, rank, world_size, device, attempt, start, resumed_from) -> None:
+    """The master process's first lines: how this attempt runs, and where it resumed."""
+    where = f"{dist.get_backend()} on {device}" if dist.is_initialized() else f"one process on {device}"
+    say(
+        rank,
+        f"attempt {attempt}: world size {world_size} ({where}), global batch "
+        f"{world_size * args.batch_size}, {torch.get_num_threads()} thread(s) per process",
+    )
+    if resumed_from:
+        say(rank, f"resumed from step {start} ({resumed_from})")
+
+
+def progress_bar(args, rank: int, attempt: int, start: int, master_process: bool):
+    """One bar, on the master process only: every rank drawing its own would interleave.
+
+    tqdm writes to stderr; in a log file (a SLURM job, a notebook capturing the output) each
+    redraw would be a line of its own, so "auto" draws only on a terminal (disable=None).
+    """
+    show = {"auto": None, "on": False, "off": True}[args.progress]
+    return tqdm(
+        range(start, args.steps),
+        initial=start,
+        total=args.steps,
+        unit="step",
+        desc=f"rank {rank}, attempt {attempt}",
+        disable=show if master_process else True,
+    )
+
+
+def log_and_checkpoint(args, rank, step, loss, attempt, model, optimizer, master_process) -> None:
+    """The step's loss into losses.jsonl, and every ``save_every`` steps a checkpoint (rank 0 writes)."""
+    if master_process and args.out:
+        with open(args.out / "losses.jsonl", "a") as f:
+            f.write(json.dumps({"step": step, "loss": loss.item(), "attempt": attempt}) + "\n")
+    if args.ckpt_dir and (step + 1) % args.save_every == 0:
+        if master_process:
+            args.ckpt_dir.mkdir(parents=True, exist_ok=True)
+            say(rank, f"step {step + 1}: checkpoint {save_state(args.ckpt_dir, model, optimizer, step + 1).name}")
+        if dist.is_initialized():
+            dist.barrier()  # nobody runs ahead of a checkpoint that is still being written
+
+
+def finish(args, rank, world_size, model, loss) -> None:
+    """The final weights (for one-process use) and the machine-readable result line."""
+    if args.out:
+        atomic_save({k: v.cpu() for k, v in model.state_dict().items()}, args.out / "final.pt")
+    result = {"steps": args.steps, "world_size": world_size, "loss": loss.item(), "checksum": checksum(model)}
+    say(rank, "result " + json.dumps(result))
 
 
 def global_mean(value: torch.Tensor) -> torch.Tensor:

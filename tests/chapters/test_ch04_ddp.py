@@ -10,8 +10,8 @@ from torch import nn
 
 import distcourse
 from distcourse import data_parallel as dp
-from distcourse import ddp
-from distcourse.common import numerics
+from distcourse import ddp, ddp_in_practice
+from distcourse.common import numerics, replicas
 from distcourse.exercises import ch04
 from distcourse.runtime.processes import package_env
 from distcourse.scripts import ddp_spawn_example
@@ -105,8 +105,8 @@ def test_ddp_gradients_equal_the_full_batch(batch):
     x, y = batch
     grads = distcourse.launch(ddp.ddp_gradients, 2, args=(x, y, MODEL), quiet=True)
     reference = ddp.reference_gradients(x, y, MODEL)
-    assert ddp.max_gap(grads[0]["local"], grads[1]["local"]) > 1e-4
-    assert ddp.max_gap(grads[0]["ddp"], grads[1]["ddp"]) == 0  # one all-reduce: the same bytes on every rank
+    assert replicas.max_gap(grads[0]["local"], grads[1]["local"]) > 1e-4
+    assert replicas.max_gap(grads[0]["ddp"], grads[1]["ddp"]) == 0  # one all-reduce: the same bytes on every rank
     numerics.assert_close(grads[0]["ddp"], reference, terms=TERMS)
 
 
@@ -137,32 +137,34 @@ def test_smaller_buckets_are_more_and_overlap_backward(batch):
 def test_uneven_inputs_hang_without_join_and_finish_with_it():
     with pytest.raises((distcourse.RankFailed, distcourse.LaunchTimeout)) as caught:
         distcourse.launch(
-            ddp.uneven_inputs, 2, args=([1, 2], False, MODEL), collective_timeout=2, timeout=30, quiet=True
+            ddp_in_practice.uneven_inputs, 2, args=([1, 2], False, MODEL), collective_timeout=2, timeout=30, quiet=True
         )
-    assert "timed out" in ddp.key_line("\n".join(caught.value.outputs.values()), "timed out").lower()
-    joined = distcourse.launch(ddp.uneven_inputs, 2, args=([1, 2], True, MODEL), collective_timeout=5, quiet=True)
+    assert "timed out" in ddp_in_practice.key_line("\n".join(caught.value.outputs.values()), "timed out").lower()
+    joined = distcourse.launch(
+        ddp_in_practice.uneven_inputs, 2, args=([1, 2], True, MODEL), collective_timeout=5, quiet=True
+    )
     assert [r["batches"] for r in joined] == [1, 2]
-    assert ddp.max_gap(joined[0]["params"], joined[1]["params"]) == 0
+    assert replicas.max_gap(joined[0]["params"], joined[1]["params"]) == 0
 
 
 def test_key_line_drops_the_cpp_location():
     text = "Traceback...\nRuntimeError: [/src/gloo/unbound_buffer.cc:78] Timed out waiting 3000ms for recv\n"
-    assert ddp.key_line(text, "timed out") == "RuntimeError: Timed out waiting 3000ms for recv"
-    assert ddp.key_line("first\nlast line", "absent") == "last line"
+    assert ddp_in_practice.key_line(text, "timed out") == "RuntimeError: Timed out waiting 3000ms for recv"
+    assert ddp_in_practice.key_line("first\nlast line", "absent") == "last line"
 
 
 def test_unused_parameters_fail_until_ddp_is_told(batch):
     x, y = batch
     with pytest.raises(distcourse.RankFailed, match="find_unused_parameters=True"):
-        distcourse.launch(ddp.unused_branch, 2, args=(x, y, False), quiet=True)
-    fixed = distcourse.launch(ddp.unused_branch, 2, args=(x, y, True), quiet=True)
-    assert fixed[0]["aux_grad_is_none"] and ddp.max_gap(fixed[0]["params"], fixed[1]["params"]) == 0
+        distcourse.launch(ddp_in_practice.unused_branch, 2, args=(x, y, False), quiet=True)
+    fixed = distcourse.launch(ddp_in_practice.unused_branch, 2, args=(x, y, True), quiet=True)
+    assert fixed[0]["aux_grad_is_none"] and replicas.max_gap(fixed[0]["params"], fixed[1]["params"]) == 0
 
 
 def test_the_fast_rank_waits_for_the_slow_one(batch):
     x, y = batch
     skew = distcourse.launch(
-        ddp.skewed_speed, 2, args=(x, y, MODEL), kwargs={"extra_seconds": 0.04, "steps": 4}, quiet=True
+        ddp_in_practice.skewed_speed, 2, args=(x, y, MODEL), kwargs={"extra_seconds": 0.04, "steps": 4}, quiet=True
     )
     backward = "backward (incl. waiting for the all-reduce)"
     assert skew[0][backward] > skew[1][backward] + 0.5 * 4 * 0.04
@@ -171,8 +173,8 @@ def test_the_fast_rank_waits_for_the_slow_one(batch):
 def test_allreduce_batchnorm_falls_back_to_batchnorm_without_a_group():
     torch.manual_seed(0)
     h = torch.randn(12, 5) * 2 + 1
-    plain, synced = nn.BatchNorm1d(5), ddp.with_allreduce_batchnorm(nn.Sequential(nn.BatchNorm1d(5)))[0]
-    assert isinstance(synced, ddp.AllReduceBatchNorm1d)
+    plain, synced = nn.BatchNorm1d(5), ddp_in_practice.with_allreduce_batchnorm(nn.Sequential(nn.BatchNorm1d(5)))[0]
+    assert isinstance(synced, ddp_in_practice.AllReduceBatchNorm1d)
     # without a process group it is BatchNorm1d's own forward: the same kernels, bit for bit
     assert torch.equal(plain(h), synced(h)) and torch.equal(plain.running_var, synced.running_var)
 
@@ -180,14 +182,14 @@ def test_allreduce_batchnorm_falls_back_to_batchnorm_without_a_group():
 @pytest.mark.numerics
 def test_allreduce_batchnorm_is_full_batch_batchnorm(batch):
     x, y = batch
-    reference = ddp.reference_batchnorm_step(x, y, MODEL)
+    reference = ddp_in_practice.reference_batchnorm_step(x, y, MODEL)
     # E[x²] - mean² of the BatchNorm input loses digits by E[x²] / var: the statistics' 32-term sums
     # count that many times more, before the step's other sums
     h = dp.mlp(batchnorm=True, **MODEL)[0](x).detach()
     cancel = ((h * h).mean(dim=0) / h.var(dim=0, unbiased=False)).max().item()
     terms = round(32 * cancel) + TERMS
     for kind, close in (("local", False), ("allreduce", True)):
-        results = distcourse.launch(ddp.batchnorm_step, 2, args=(x, y, MODEL, kind), quiet=True)
+        results = distcourse.launch(ddp_in_practice.batchnorm_step, 2, args=(x, y, MODEL, kind), quiet=True)
         out = torch.empty_like(reference["out"])
         for r in results:
             out[r["samples"]] = r["out"]
@@ -198,7 +200,7 @@ def test_allreduce_batchnorm_is_full_batch_batchnorm(batch):
 
 
 def test_syncbatchnorm_refuses_cpu_tensors():
-    messages = distcourse.launch(ddp.syncbn_on_cpu, 2, quiet=True)
+    messages = distcourse.launch(ddp_in_practice.syncbn_on_cpu, 2, quiet=True)
     assert all("expected input tensor to be on GPU" in m for m in messages)
 
 
@@ -206,8 +208,12 @@ def test_syncbatchnorm_refuses_cpu_tensors():
 def test_one_and_two_ranks_train_the_same_weights(batch):
     x, y = batch
     kwargs = dict(global_batch=16, steps=4, model_kwargs=MODEL)
-    one = distcourse.launch(ddp.throughput_run, 1, threads=1, backend="gloo", args=(x, y), kwargs=kwargs, quiet=True)
-    two = distcourse.launch(ddp.throughput_run, 2, threads=1, backend="gloo", args=(x, y), kwargs=kwargs, quiet=True)
+    one = distcourse.launch(
+        ddp_in_practice.throughput_run, 1, threads=1, backend="gloo", args=(x, y), kwargs=kwargs, quiet=True
+    )
+    two = distcourse.launch(
+        ddp_in_practice.throughput_run, 2, threads=1, backend="gloo", args=(x, y), kwargs=kwargs, quiet=True
+    )
     assert one[0]["samples"] == sum(r["samples"] for r in two) == 64
     # 4 steps of 16 samples, each adding the rounding of its sums
     numerics.assert_close(two[0]["params"], one[0]["params"], terms=4 * (2 * (64 + 16 + 10) + 16))
@@ -256,7 +262,7 @@ def test_first_backward_is_bucketed_by_size_only_with_find_unused_parameters(bat
 def test_mismatched_all_reduce_aborts_without_detail_and_names_both_shapes_with_it():
     with pytest.raises(distcourse.RankFailed, match="killed by signal SIGABRT"):
         distcourse.launch(
-            ddp.mismatched_all_reduce,
+            ddp_in_practice.mismatched_all_reduce,
             2,
             args=([4, 5],),
             kwargs={"debug": None},
@@ -267,7 +273,13 @@ def test_mismatched_all_reduce_aborts_without_detail_and_names_both_shapes_with_
         )
     with pytest.raises(distcourse.RankFailed) as caught:
         distcourse.launch(
-            ddp.mismatched_all_reduce, 2, args=([4, 5],), backend="gloo", collective_timeout=5, timeout=30, quiet=True
+            ddp_in_practice.mismatched_all_reduce,
+            2,
+            args=([4, 5],),
+            backend="gloo",
+            collective_timeout=5,
+            timeout=30,
+            quiet=True,
         )
     for rank in range(2):
         said = caught.value.outputs[rank]
@@ -275,7 +287,10 @@ def test_mismatched_all_reduce_aborts_without_detail_and_names_both_shapes_with_
             "Detected mismatch between collectives" in said and "TensorShape=[4]" in said and "TensorShape=[5]" in said
         )
     # Matching shapes pass the same checks.
-    assert distcourse.launch(ddp.mismatched_all_reduce, 2, args=([3, 3],), backend="gloo", quiet=True)[0] == [2.0] * 3
+    assert (
+        distcourse.launch(ddp_in_practice.mismatched_all_reduce, 2, args=([3, 3],), backend="gloo", quiet=True)[0]
+        == [2.0] * 3
+    )
 
 
 def test_ddp_training_with_two_dataloader_workers_per_rank():
@@ -283,13 +298,13 @@ def test_ddp_training_with_two_dataloader_workers_per_rank():
     generator = torch.Generator().manual_seed(1)
     x, y = torch.rand(256, 64, generator=generator), torch.randint(10, (256,), generator=generator)
     runs = distcourse.launch(
-        ddp.train_with_loader,
+        ddp_in_practice.train_with_loader,
         2,
         args=(x, y),
         kwargs={"epochs": 2, "batch_size": 16, "num_workers": 2, "model_kwargs": MODEL},
         quiet=True,
     )
-    assert ddp.max_gap(runs[0]["params"], runs[1]["params"]) == 0  # equal parameters across ranks
+    assert replicas.max_gap(runs[0]["params"], runs[1]["params"]) == 0  # equal parameters across ranks
     assert [r["steps"] for r in runs] == [16, 16]
     rank_pids = {r["pid"] for r in runs}
     for r in runs:
@@ -298,19 +313,19 @@ def test_ddp_training_with_two_dataloader_workers_per_rank():
     assert "16/16" in runs.outputs[0] and "16/16" not in runs.outputs[1]  # the progress bar is rank 0's
     # Workers only change where batches are made, not what is learned.
     alone = distcourse.launch(
-        ddp.train_with_loader,
+        ddp_in_practice.train_with_loader,
         2,
         args=(x, y),
         kwargs={"epochs": 2, "batch_size": 16, "num_workers": 0, "model_kwargs": MODEL},
         quiet=True,
     )
     assert alone[0]["loaders"] == [(-1, -1)]
-    assert ddp.max_gap(alone[0]["params"], runs[0]["params"]) == 0
+    assert replicas.max_gap(alone[0]["params"], runs[0]["params"]) == 0
 
 
 def test_a_rank_can_run_a_subprocess():
     runs = distcourse.launch(
-        ddp.run_subprocess, 2, args=("import os; print(os.getppid(), os.environ['RANK'])",), quiet=True
+        ddp_in_practice.run_subprocess, 2, args=("import os; print(os.getppid(), os.environ['RANK'])",), quiet=True
     )
     assert [r["stdout"].split() for r in runs] == [[str(r["pid"]), str(rank)] for rank, r in enumerate(runs)]
 

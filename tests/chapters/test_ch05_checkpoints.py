@@ -10,7 +10,8 @@ import pytest
 import torch
 
 import distcourse
-from distcourse import checkpoints
+from distcourse import checkpoints, distributed_checkpoints
+from distcourse.common import checkpoint_files
 from distcourse.exercises import ch05
 
 
@@ -24,8 +25,8 @@ def tmp(tmp_path):
 
 def test_atomic_save_round_trip_leaves_only_the_file(tmp):
     path = tmp / "ckpt.pt"
-    checkpoints.atomic_save({"step": 3, "w": torch.arange(4.0)}, path)
-    loaded = checkpoints.load_checkpoint(path)
+    checkpoint_files.atomic_save({"step": 3, "w": torch.arange(4.0)}, path)
+    loaded = checkpoint_files.load_checkpoint(path)
     assert loaded["step"] == 3 and torch.equal(loaded["w"], torch.arange(4.0))
     assert [p.name for p in tmp.iterdir()] == ["ckpt.pt"]
 
@@ -37,11 +38,11 @@ class _Unpicklable:
 
 def test_failed_atomic_save_keeps_the_previous_checkpoint_and_cleans_up(tmp):
     path = tmp / "ckpt.pt"
-    checkpoints.atomic_save({"step": 1}, path)
+    checkpoint_files.atomic_save({"step": 1}, path)
     with pytest.raises(RuntimeError, match="boom"):
-        checkpoints.atomic_save({"step": 2, "bad": _Unpicklable()}, path)
-    assert checkpoints.load_checkpoint(path)["step"] == 1
-    assert checkpoints.stale_temp_files(tmp) == []
+        checkpoint_files.atomic_save({"step": 2, "bad": _Unpicklable()}, path)
+    assert checkpoint_files.load_checkpoint(path)["step"] == 1
+    assert checkpoint_files.stale_temp_files(tmp) == []
 
 
 def test_failed_plain_torch_save_destroys_the_previous_checkpoint(tmp):
@@ -50,26 +51,26 @@ def test_failed_plain_torch_save_destroys_the_previous_checkpoint(tmp):
     torch.save({"step": 1}, path)
     with pytest.raises(RuntimeError, match="boom"):
         torch.save({"step": 2, "bad": _Unpicklable()}, path)
-    with pytest.raises(checkpoints.CorruptCheckpointError):
-        checkpoints.load_checkpoint(path)
+    with pytest.raises(checkpoint_files.CorruptCheckpointError):
+        checkpoint_files.load_checkpoint(path)
 
 
 def test_missing_checkpoint_is_a_clear_file_not_found_error(tmp):
     with pytest.raises(FileNotFoundError, match=r"no checkpoint at .*nothing\.pt; the directory holds \[\]"):
-        checkpoints.load_checkpoint(tmp / "nothing.pt")
+        checkpoint_files.load_checkpoint(tmp / "nothing.pt")
     with pytest.raises(FileNotFoundError, match="does not exist"):
-        checkpoints.load_checkpoint(tmp / "no-such-dir" / "x.pt")
+        checkpoint_files.load_checkpoint(tmp / "no-such-dir" / "x.pt")
 
 
 @pytest.mark.parametrize("cut", [0, 10, 1000, "half", -10])
 def test_truncated_checkpoint_is_named_corrupt_or_truncated(tmp, cut):
     path = tmp / "ckpt.pt"
-    checkpoints.atomic_save({"w": torch.randn(1000)}, path)
+    checkpoint_files.atomic_save({"w": torch.randn(1000)}, path)
     data = path.read_bytes()
     cut = len(data) // 2 if cut == "half" else cut
     path.write_bytes(data[:cut])
-    with pytest.raises(checkpoints.CorruptCheckpointError, match="corrupt or truncated") as info:
-        checkpoints.load_checkpoint(path)
+    with pytest.raises(checkpoint_files.CorruptCheckpointError, match="corrupt or truncated") as info:
+        checkpoint_files.load_checkpoint(path)
     assert str(path) in str(info.value)
     assert isinstance(info.value, ValueError)
     # One message, not a chain of torch/zip internals ("During handling ... another exception").
@@ -79,8 +80,8 @@ def test_truncated_checkpoint_is_named_corrupt_or_truncated(tmp, cut):
 def test_garbage_and_damaged_archives_are_corrupt(tmp):
     garbage = tmp / "garbage.pt"
     garbage.write_bytes(os.urandom(2000))
-    with pytest.raises(checkpoints.CorruptCheckpointError, match="garbage.pt"):
-        checkpoints.load_checkpoint(garbage)
+    with pytest.raises(checkpoint_files.CorruptCheckpointError, match="garbage.pt"):
+        checkpoint_files.load_checkpoint(garbage)
     # A complete zip archive without torch's data.pkl record: corrupt, with torch's reason.
     hollow = tmp / "hollow.pt"
     torch.save({"w": torch.ones(2)}, hollow)
@@ -91,8 +92,8 @@ def test_garbage_and_damaged_archives_are_corrupt(tmp):
     with zipfile.ZipFile(hollow, "w") as z:
         for info, payload in kept:
             z.writestr(info, payload)
-    with pytest.raises(checkpoints.CorruptCheckpointError, match="corrupt .*data.pkl"):
-        checkpoints.load_checkpoint(hollow)
+    with pytest.raises(checkpoint_files.CorruptCheckpointError, match="corrupt .*data.pkl"):
+        checkpoint_files.load_checkpoint(hollow)
 
 
 def test_weights_only_refuses_code_and_runs_nothing(tmp):
@@ -100,36 +101,36 @@ def test_weights_only_refuses_code_and_runs_nothing(tmp):
     torch.save({"w": torch.ones(2), "extra": checkpoints.RunsCodeWhenLoaded(marker)}, path)
     assert "distcourse.checkpoints.leave_marker" in torch.serialization.get_unsafe_globals_in_checkpoint(path)
     with pytest.raises(pickle.UnpicklingError, match="leave_marker"):
-        checkpoints.load_checkpoint(path)  # passes the refusal through, not as "corrupt"
+        checkpoint_files.load_checkpoint(path)  # passes the refusal through, not as "corrupt"
     with pytest.raises(pickle.UnpicklingError):
         torch.load(path, weights_only=True)
     assert not marker.exists()
 
 
 def test_rng_state_survives_a_weights_only_round_trip(tmp):
-    checkpoints.seed_everything(5)
-    state = checkpoints.rng_state()
+    checkpoint_files.seed_everything(5)
+    state = checkpoint_files.rng_state()
     expected = (torch.rand(3), np.random.rand(3), [random.random() for _ in range(3)])
-    checkpoints.atomic_save({"rng": state}, tmp / "rng.pt")
-    checkpoints.seed_everything(99)
-    checkpoints.set_rng_state(checkpoints.load_checkpoint(tmp / "rng.pt")["rng"])
+    checkpoint_files.atomic_save({"rng": state}, tmp / "rng.pt")
+    checkpoint_files.seed_everything(99)
+    checkpoint_files.set_rng_state(checkpoint_files.load_checkpoint(tmp / "rng.pt")["rng"])
     assert torch.equal(torch.rand(3), expected[0])
     assert np.array_equal(np.random.rand(3), expected[1])
     assert [random.random() for _ in range(3)] == expected[2]
 
 
 def test_latest_checkpoint_ignores_temporary_files(tmp):
-    assert checkpoints.latest_checkpoint(tmp) is None
+    assert checkpoint_files.latest_checkpoint(tmp) is None
     for step in (5, 10, 100):
-        checkpoints.atomic_save({"step": step}, checkpoints.checkpoint_path(tmp, step))
+        checkpoint_files.atomic_save({"step": step}, checkpoint_files.checkpoint_path(tmp, step))
     (tmp / ".step-0200.pt.123.tmp").write_bytes(b"partial")
-    assert checkpoints.latest_checkpoint(tmp).name == "step-0100.pt"
-    assert [p.name for p in checkpoints.stale_temp_files(tmp)] == [".step-0200.pt.123.tmp"]
+    assert checkpoint_files.latest_checkpoint(tmp).name == "step-0100.pt"
+    assert [p.name for p in checkpoint_files.stale_temp_files(tmp)] == [".step-0200.pt.123.tmp"]
 
 
 def test_saved_locations_reads_device_tags_without_moving_anything(tmp):
     torch.save({"w": torch.ones(2)}, tmp / "cpu.pt")
-    assert checkpoints.saved_locations(tmp / "cpu.pt") == {"cpu"}
+    assert checkpoint_files.saved_locations(tmp / "cpu.pt") == {"cpu"}
 
 
 def test_dcp_planner_refuses_code_in_non_tensor_entries(tmp):
@@ -147,11 +148,16 @@ def test_dcp_planner_refuses_code_in_non_tensor_entries(tmp):
             no_dist=True,
         )
         plain = {"w": torch.zeros(2), "lr": 0.0}
-        dcp.load(plain, checkpoint_id=tmp / "ckpt", planner=checkpoints.weights_only_planner(), no_dist=True)
+        dcp.load(
+            plain, checkpoint_id=tmp / "ckpt", planner=distributed_checkpoints.weights_only_planner(), no_dist=True
+        )
         assert plain["lr"] == 0.5 and torch.equal(plain["w"], torch.ones(2))  # plain entries load
         with pytest.raises(CheckpointException, match="leave_marker"):  # (a BaseException)
             dcp.load(
-                {"note": None}, checkpoint_id=tmp / "ckpt", planner=checkpoints.weights_only_planner(), no_dist=True
+                {"note": None},
+                checkpoint_id=tmp / "ckpt",
+                planner=distributed_checkpoints.weights_only_planner(),
+                no_dist=True,
             )
     assert not marker.exists()
 
@@ -163,7 +169,7 @@ def test_dcp_planner_refuses_code_in_non_tensor_entries(tmp):
 def test_crash_mid_write_atomic_vs_in_place(tmp, no_leftovers):
     atomic, naive = tmp / "atomic.pt", tmp / "naive.pt"
     for path in (atomic, naive):
-        checkpoints.atomic_save({"step": 1}, path)
+        checkpoint_files.atomic_save({"step": 1}, path)
     for path, is_atomic in ((atomic, True), (naive, False)):
         with pytest.raises(distcourse.RankFailed, match="SIGKILL"):
             distcourse.launch(
@@ -174,11 +180,11 @@ def test_crash_mid_write_atomic_vs_in_place(tmp, no_leftovers):
                 init_process_group=False,
                 quiet=True,
             )
-    assert checkpoints.load_checkpoint(atomic)["step"] == 1
-    assert [p.stat().st_size for p in checkpoints.stale_temp_files(tmp)] == [2**20]
+    assert checkpoint_files.load_checkpoint(atomic)["step"] == 1
+    assert [p.stat().st_size for p in checkpoint_files.stale_temp_files(tmp)] == [2**20]
     assert naive.stat().st_size == 2**20
-    with pytest.raises(checkpoints.CorruptCheckpointError, match="truncated"):
-        checkpoints.load_checkpoint(naive)
+    with pytest.raises(checkpoint_files.CorruptCheckpointError, match="truncated"):
+        checkpoint_files.load_checkpoint(naive)
 
 
 @pytest.mark.slow
@@ -193,7 +199,7 @@ def test_interrupted_and_resumed_run_equals_the_uninterrupted_one(tmp, no_leftov
         )
     assert info.value.rank == 1
     b = checkpoints.read_losses(tmp / "B" / "losses.jsonl")
-    assert checkpoints.latest_checkpoint(tmp / "B").name == "step-0004.pt"
+    assert checkpoint_files.latest_checkpoint(tmp / "B").name == "step-0004.pt"
     c = distcourse.launch(
         checkpoints.train_run, 2, args=(data, tmp / "B"), kwargs={**kwargs, "resume": True}, quiet=True
     )
@@ -214,13 +220,13 @@ def _equal(a, b):
 
 @pytest.mark.slow
 def test_dcp_checkpoint_of_2_ranks_loads_on_1_and_on_3(tmp, no_leftovers):
-    saved = distcourse.launch(checkpoints.dcp_save_sharded, 2, args=(tmp,), quiet=True)
+    saved = distcourse.launch(distributed_checkpoints.dcp_save_sharded, 2, args=(tmp,), quiet=True)
     assert sorted(p.name for p in tmp.iterdir()) == [".metadata", "__0_0.distcp", "__1_0.distcp"]
     assert [r["local_shapes"]["0.weight"] for r in saved] == [(64, 64), (64, 64)]
     model = checkpoints.make_model()
-    single = checkpoints.dcp_load_single_process(model, torch.optim.Adam(model.parameters()), tmp)
+    single = distributed_checkpoints.dcp_load_single_process(model, torch.optim.Adam(model.parameters()), tmp)
     assert _equal(single, {"model": saved[0]["model"], "optimizer": saved[0]["optimizer"]})
-    three = distcourse.launch(checkpoints.dcp_load_resharded, 3, args=(tmp,), quiet=True)
+    three = distcourse.launch(distributed_checkpoints.dcp_load_resharded, 3, args=(tmp,), quiet=True)
     assert [r["local_shapes"]["0.weight"][0] for r in three] == [43, 43, 42]
     assert all(_equal(r["model"], saved[0]["model"]) and _equal(r["optimizer"], saved[0]["optimizer"]) for r in three)
 
@@ -267,7 +273,7 @@ def test_self_check_rejects_wrong_answers_and_accepts_the_right_one(capsys):
     assert "same directory" in capsys.readouterr().out
     assert ch05.check_atomic_save(no_cleanup) is False
     assert "left behind" in capsys.readouterr().out
-    assert ch05.check_atomic_save(checkpoints.atomic_save) is True
+    assert ch05.check_atomic_save(checkpoint_files.atomic_save) is True
     assert "Correct" in capsys.readouterr().out
 
 
@@ -281,7 +287,7 @@ def _equal(a, b):
 
 def test_async_save_with_its_own_group_while_training_goes_on(tmp, no_leftovers):
     runs = distcourse.launch(
-        checkpoints.dcp_async_save_while_training,
+        distributed_checkpoints.dcp_async_save_while_training,
         world_size=2,
         args=(tmp / "async",),
         kwargs={"steps": 7, "save_at": (2, 4, 6)},
@@ -302,11 +308,11 @@ def test_training_state_is_stateful():
     from torch.distributed.checkpoint.stateful import Stateful
 
     model = checkpoints.make_model()
-    state = checkpoints.TrainingState(model, torch.optim.Adam(model.parameters(), lr=1e-3), step=5)
+    state = distributed_checkpoints.TrainingState(model, torch.optim.Adam(model.parameters(), lr=1e-3), step=5)
     assert isinstance(state, Stateful)
     saved = state.state_dict()
     assert saved["step"] == 5 and set(saved) == {"model", "optimizer", "step"}
     other_model = checkpoints.make_model()
-    other = checkpoints.TrainingState(other_model, torch.optim.Adam(other_model.parameters(), lr=1e-3))
+    other = distributed_checkpoints.TrainingState(other_model, torch.optim.Adam(other_model.parameters(), lr=1e-3))
     other.load_state_dict(saved)
     assert other.step == 5 and all(torch.equal(a, b) for a, b in zip(model.parameters(), other_model.parameters()))

@@ -19,8 +19,8 @@ import psutil
 import pytest
 import torch
 
-from distcourse import checkpoints, train
-from distcourse import torchrun_tools as tt
+from distcourse import launchers, train
+from distcourse.common import checkpoint_files, subprocesses
 from distcourse.exercises import ch07
 
 CODE = pathlib.Path(train.__file__).parent
@@ -38,14 +38,14 @@ def reference(tmp_path_factory):
     printed = io.StringIO()
     with contextlib.redirect_stdout(printed):
         train.main([str(a) for a in ["--steps", STEPS, "--batch-size", 2 * B, "--out", out]])
-    result = tt.Result(["train.main"], 0, 0, printed.getvalue(), "", 0.0).json(0, "result")
-    return result, checkpoints.load_checkpoint(out / "final.pt")
+    result = subprocesses.Result(["train.main"], 0, 0, printed.getvalue(), "", 0.0).json(0, "result")
+    return result, checkpoint_files.load_checkpoint(out / "final.pt")
 
 
 def same_as(reference, result, out) -> None:
     ref_result, ref_weights = reference
     assert abs(result["loss"] - ref_result["loss"]) < 1e-6
-    weights = checkpoints.load_checkpoint(out / "final.pt")
+    weights = checkpoint_files.load_checkpoint(out / "final.pt")
     assert max((weights[k] - ref_weights[k]).abs().max().item() for k in weights) < 1e-6
 
 
@@ -68,7 +68,8 @@ def test_single_process_mode_needs_no_process_group(reference):
 
 def test_source_rules():
     tree = ast.parse((CODE / "train.py").read_text())
-    calls = [n for n in ast.walk(tree) if isinstance(n, ast.Call)]
+    setup = ast.parse((CODE / "common" / "distributed.py").read_text())  # init_process_group lives there
+    calls = [n for t in (tree, setup) for n in ast.walk(t) if isinstance(n, ast.Call)]
     inits = [c for c in calls if getattr(c.func, "attr", None) == "init_process_group"]
     assert inits and all("timeout" in {k.arg for k in c.keywords} for c in inits)
     loads = [c for c in calls if getattr(c.func, "attr", None) == "load" and ast.unparse(c.func) == "torch.load"]
@@ -81,15 +82,15 @@ def test_source_rules():
 def test_no_hard_coded_ports_outside_the_slurm_script():
     # torchrun's conventional ports (29400, 29500) belong in the cluster script only; the
     # code here always asks the OS for a free port on 127.0.0.1.
-    for name in ("train.py", "torchrun_tools.py"):
+    for name in ("train.py", "common/subprocesses.py", "common/distributed.py"):
         text = (CODE / name).read_text()
         assert not re.search(r"\b29[45]00\b", text) and "0.0.0.0" not in text, name
-    assert "29500" in tt.SLURM_SCRIPT.read_text()
+    assert "29500" in launchers.SLURM_SCRIPT.read_text()
 
 
 def test_torchrun_and_single_process_agree(reference, tmp_path, no_leftovers):
-    run = tt.run(
-        tt.torchrun(
+    run = subprocesses.run(
+        subprocesses.torchrun(
             "--standalone", "--nproc-per-node=2", script_args=script_args(tmp_path, "--print-env", "--progress", "on")
         ),
         timeout=120,
@@ -135,7 +136,7 @@ def test_shared_store_with_restarts_on_several_nodes_is_refused(monkeypatch):
         "TORCHELASTIC_MAX_RESTARTS": "3",
         "TORCHELASTIC_RESTART_COUNT": "0",
         "MASTER_ADDR": "127.0.0.1",
-        "MASTER_PORT": str(tt.free_port()),
+        "MASTER_PORT": str(subprocesses.free_port()),
     }
     for key, value in env.items():
         monkeypatch.setenv(key, value)
@@ -145,9 +146,9 @@ def test_shared_store_with_restarts_on_several_nodes_is_refused(monkeypatch):
 
 def test_legacy_launcher_passes_local_rank_and_torchrun_does_not():
     args = ["--standalone", "--nproc-per-node=2", "-m", "distcourse.train"]
-    assert tt.worker_command("torchrun", args, 1)[1:] == ["-u", "-m", "distcourse.train"]
-    assert tt.worker_command("torch.distributed.launch", args, 1)[-1] == "--local-rank=1"
-    assert tt.worker_command("torch.distributed.launch", ["--use-env"] + args, 1) == tt.worker_command(
+    assert launchers.worker_command("torchrun", args, 1)[1:] == ["-u", "-m", "distcourse.train"]
+    assert launchers.worker_command("torch.distributed.launch", args, 1)[-1] == "--local-rank=1"
+    assert launchers.worker_command("torch.distributed.launch", ["--use-env"] + args, 1) == launchers.worker_command(
         "torchrun", args, 1
     )
 
@@ -156,7 +157,7 @@ def test_legacy_launcher_passes_local_rank_and_torchrun_does_not():
 
 
 def test_free_port_is_a_free_loopback_port():
-    port = tt.free_port()
+    port = subprocesses.free_port()
     assert 0 < port < 65536
     with socket.socket() as s:
         s.bind(("127.0.0.1", port))
@@ -164,10 +165,10 @@ def test_free_port_is_a_free_loopback_port():
 
 def test_per_rank_parsing():
     text = '[rank 1] worker {"pid": 2}\nnoise\n[rank 0] result {"loss": 1.5}\n[rank 0] result {"loss": 0.5}\n'
-    result = tt.Result(["x"], 1, 0, text, "", 0.0)
+    result = subprocesses.Result(["x"], 1, 0, text, "", 0.0)
     assert result.ranks == {0: ['result {"loss": 1.5}', 'result {"loss": 0.5}'], 1: ['worker {"pid": 2}']}
     assert result.json(0, "result") == {"loss": 0.5} and len(result.all_json(0, "result")) == 2
-    assert tt.find_json([tt.Result(["y"], 2, 0, "", "", 0.0), result], 1, "worker") == {"pid": 2}
+    assert subprocesses.find_json([subprocesses.Result(["y"], 2, 0, "", "", 0.0), result], 1, "worker") == {"pid": 2}
     with pytest.raises(KeyError):
         result.json(1, "result")
 
@@ -182,31 +183,31 @@ def _gone(pid: int) -> bool:
 @pytest.mark.slow  # waits for an 8 s timeout
 def test_timeout_stops_agent_and_workers(tmp_path, no_leftovers):
     # The last rank hangs; the other waits in a collective: only the timeout can end this.
-    cmd = tt.torchrun(
+    cmd = subprocesses.torchrun(
         "--standalone", "--nproc-per-node=2", script_args=script_args(tmp_path, "--print-env", "--hang-at", 2)
     )
     started = time.monotonic()
-    with pytest.raises(tt.TorchrunTimeout) as info:
-        tt.run(cmd, timeout=8)
+    with pytest.raises(subprocesses.TorchrunTimeout) as info:
+        subprocesses.run(cmd, timeout=8)
     assert time.monotonic() - started < 8 + 10  # the teardown itself is quick
     agent = info.value.results[0]
     pids = [agent.json(r, "worker")["pid"] for r in agent.ranks]
     assert len(pids) == 2  # the workers were running when the timeout came...
     assert all(_gone(pid) for pid in pids)  # ...and are gone now, though torchrun gave them their own sessions
-    assert not tt.group_alive(agent.pid)
+    assert not subprocesses.group_alive(agent.pid)
 
 
 def test_failure_of_one_agent_stops_the_other(no_leftovers):
     fails = [sys.executable, "-c", "import sys; print('[rank 0] bye'); sys.exit(3)"]
     sleeps = [sys.executable, "-c", "import time; time.sleep(60)"]
     started = time.monotonic()
-    with pytest.raises(tt.TorchrunError) as info:
-        tt.run_together([fails, sleeps], timeout=60, grace=0.5)
+    with pytest.raises(subprocesses.TorchrunError) as info:
+        subprocesses.run_together([fails, sleeps], timeout=60, grace=0.5)
     assert time.monotonic() - started < 15
     first, second = info.value.results
     assert first.returncode == 3 and first.ranks == {0: ["bye"]}
     assert second.returncode is not None and second.returncode < 0  # stopped by a signal
-    assert not tt.group_alive(second.pid)
+    assert not subprocesses.group_alive(second.pid)
 
 
 def test_run_together_starts_a_command_when_its_moment_comes(tmp_path, no_leftovers):
@@ -217,10 +218,10 @@ def test_run_together_starts_a_command_when_its_moment_comes(tmp_path, no_leftov
         "-c",
         f"import pathlib; print('[rank 0] flag there:', pathlib.Path({str(flag)!r}).exists())",
     ]
-    _, late = tt.run_together([first, second], timeout=30, start_when=[None, flag.exists])
+    _, late = subprocesses.run_together([first, second], timeout=30, start_when=[None, flag.exists])
     assert late.ranks == {0: ["flag there: True"]}
-    with pytest.raises(tt.TorchrunTimeout) as err:  # a moment that never comes is a timeout
-        tt.run_together([first, second], timeout=1.5, start_when=[None, lambda: False])
+    with pytest.raises(subprocesses.TorchrunTimeout) as err:  # a moment that never comes is a timeout
+        subprocesses.run_together([first, second], timeout=1.5, start_when=[None, lambda: False])
     assert err.value.results[0].returncode == 0 and err.value.results[1].returncode is None
 
 
@@ -229,13 +230,13 @@ def test_interrupted_wait_stops_everything(monkeypatch, no_leftovers):
         time.sleep(0.3)
         raise KeyboardInterrupt
 
-    monkeypatch.setattr(tt, "_wait_all", interrupted)
+    monkeypatch.setattr(subprocesses, "_wait_all", interrupted)
     with pytest.raises(KeyboardInterrupt):
-        tt.run([sys.executable, "-c", "import time; time.sleep(60)"], timeout=60)
+        subprocesses.run([sys.executable, "-c", "import time; time.sleep(60)"], timeout=60)
 
 
 def test_child_env_makes_distcourse_importable_anywhere(tmp_path):
-    env = tt.child_env()
+    env = subprocesses.child_env()
     assert env["OMP_NUM_THREADS"] == "1"
     out = subprocess.run(
         [sys.executable, "-c", "import distcourse.train, os; print(os.environ['OMP_NUM_THREADS'])"],
@@ -252,14 +253,14 @@ def test_child_env_makes_distcourse_importable_anywhere(tmp_path):
 
 
 def test_slurm_script_is_valid_bash():
-    subprocess.run(["bash", "-n", str(tt.SLURM_SCRIPT)], check=True)
+    subprocess.run(["bash", "-n", str(launchers.SLURM_SCRIPT)], check=True)
 
 
 def test_slurm_script_runs_torchrun_once_per_node_with_c10d_rendezvous():
-    options = tt.sbatch_options()
+    options = launchers.sbatch_options()
     assert options["nodes"] == "2" and options["ntasks-per-node"] == "1" and "gpus-per-node" in options
     seen = {"TORCH_DISABLE_SHARE_RDZV_TCP_STORE": None}
-    calls = tt.slurm_dry_run(nodes=("gpu17", "gpu18"), job_id="991", srun_env=seen)
+    calls = launchers.slurm_dry_run(nodes=("gpu17", "gpu18"), job_id="991", srun_env=seen)
     assert seen["TORCH_DISABLE_SHARE_RDZV_TCP_STORE"] == "1"  # a new store each round: restarts on 2 nodes work
     assert len(calls) == 1
     words = calls[0]
@@ -280,7 +281,7 @@ def test_slurm_script_runs_torchrun_once_per_node_with_c10d_rendezvous():
 
 
 def test_slurm_script_follows_the_head_node():
-    calls = tt.slurm_dry_run(nodes=("alpha", "beta", "gamma"), job_id="5")
+    calls = launchers.slurm_dry_run(nodes=("alpha", "beta", "gamma"), job_id="5")
     flags = dict(w.split("=", 1) for w in calls[0] if w.startswith("--") and "=" in w)
     assert flags["--rdzv-endpoint"] == "alpha:29500" and flags["--nnodes"] == "3"
 
@@ -362,13 +363,13 @@ def test_agents_on_one_machine_never_share_a_gpu(monkeypatch, gpus, visible):
     """Two agents with one worker each both start LOCAL_RANK 0: without an environment of its
     own, each would take cuda:0 and NCCL would refuse the pair ("Duplicate GPU detected")."""
     fake_gpus(monkeypatch, gpus, visible)
-    taken = worker_gpus(tt.node_envs(2), visible)
+    taken = worker_gpus(subprocesses.node_envs(2), visible)
     if gpus >= 2:
         assert None not in taken and len(set(taken)) == 2, taken  # a GPU each, distinct
         assert set(taken) <= set((visible or "0,1,2,3").split(","))  # named as this process sees them
     else:
         assert taken == [None, None]  # too few GPUs: both on the CPU, gloo
-    assert all(e["OMP_NUM_THREADS"] == "1" for e in tt.node_envs(2))  # still child_env underneath
+    assert all(e["OMP_NUM_THREADS"] == "1" for e in subprocesses.node_envs(2))  # still child_env underneath
 
 
 def test_two_node_cells_give_each_agent_its_own_environment():
@@ -389,9 +390,9 @@ def test_two_node_cells_give_each_agent_its_own_environment():
 
 @pytest.mark.slow
 def test_two_agents_as_two_nodes(reference, tmp_path, no_leftovers):
-    port, run_id = tt.free_port(), uuid.uuid4().hex
+    port, run_id = subprocesses.free_port(), uuid.uuid4().hex
     nodes = [
-        tt.torchrun(
+        subprocesses.torchrun(
             "--nnodes=2",
             "--nproc-per-node=1",
             f"--node-rank={n}",
@@ -403,9 +404,9 @@ def test_two_agents_as_two_nodes(reference, tmp_path, no_leftovers):
         )
         for n in (0, 1)
     ]
-    env = tt.child_env(CUDA_VISIBLE_DEVICES="")
-    agents = tt.run_together(nodes, env=env, timeout=120)
-    same_as(reference, tt.find_json(agents, 0, "result"), tmp_path)
+    env = subprocesses.child_env(CUDA_VISIBLE_DEVICES="")
+    agents = subprocesses.run_together(nodes, env=env, timeout=120)
+    same_as(reference, subprocesses.find_json(agents, 0, "result"), tmp_path)
     group_ranks = sorted(a.json(r, "worker")["env"]["GROUP_RANK"] for a in agents for r in a.ranks)
     assert group_ranks == ["0", "1"]
 
@@ -419,8 +420,8 @@ ELASTIC_RESULTS: list[bool] = []
 def test_elastic_restart_resumes_and_matches(reference, tmp_path, attempt, no_leftovers):
     ok = False
     try:
-        run = tt.run(
-            tt.torchrun(
+        run = subprocesses.run(
+            subprocesses.torchrun(
                 "--standalone",
                 "--nproc-per-node=2",
                 "--max-restarts=2",

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 import distcourse
-from distcourse import compiling, fsdp_practice
+from distcourse import compiling, fsdp_training
 from distcourse.common import numerics
 from distcourse.exercises import ch09
 
@@ -64,8 +64,8 @@ def test_per_block_compile_under_fsdp2_trains_as_eager():
 
 
 def test_clipping_sharded_gradients_uses_the_whole_norm():
-    clipped = distcourse.launch(fsdp_practice.clip, world_size=2, kwargs={"max_norm": 0.5}, quiet=True)
-    single = fsdp_practice.reference(world_size=2, max_norm=0.5)
+    clipped = distcourse.launch(fsdp_training.clip, world_size=2, kwargs={"max_norm": 0.5}, quiet=True)
+    single = fsdp_training.reference(world_size=2, max_norm=0.5)
     for rank in clipped:
         assert abs(rank["norm"] - single["norm"]) < 1e-5
         assert rank["collectives"] == {"all-reduce": 1}
@@ -75,9 +75,9 @@ def test_clipping_sharded_gradients_uses_the_whole_norm():
 @pytest.mark.parametrize("sync", ["every", "last", "last, unsharded"])
 def test_accumulation_gives_the_large_batch_gradient(sync):
     result = distcourse.launch(
-        fsdp_practice.accumulate, world_size=2, kwargs={"sync": sync, "micro_batches": 3}, quiet=True
+        fsdp_training.accumulate, world_size=2, kwargs={"sync": sync, "micro_batches": 3}, quiet=True
     )
-    single = fsdp_practice.reference(world_size=2, micro_batches=3)
+    single = fsdp_training.reference(world_size=2, micro_batches=3)
     assert all(torch.allclose(result[0]["grads"][n], single["grads"][n], atol=1e-6) for n in single["grads"])
     reductions = [c.get("reduce-scatter", 0) for c in result[0]["collectives"]]
     assert reductions == ([3, 3, 3] if sync == "every" else [0, 0, 3])
@@ -85,12 +85,12 @@ def test_accumulation_gives_the_large_batch_gradient(sync):
 
 def test_unknown_sync_mode_is_refused():
     with pytest.raises(distcourse.RankFailed, match="sync must be one of"):
-        distcourse.launch(fsdp_practice.accumulate, world_size=2, kwargs={"sync": "never"}, quiet=True)
+        distcourse.launch(fsdp_training.accumulate, world_size=2, kwargs={"sync": "never"}, quiet=True)
 
 
 def test_reshard_after_forward_trades_an_all_gather_for_held_weights():
-    on = distcourse.launch(fsdp_practice.reshard, world_size=2, kwargs={"reshard_after_forward": True}, quiet=True)[0]
-    off = distcourse.launch(fsdp_practice.reshard, world_size=2, kwargs={"reshard_after_forward": False}, quiet=True)[0]
+    on = distcourse.launch(fsdp_training.reshard, world_size=2, kwargs={"reshard_after_forward": True}, quiet=True)[0]
+    off = distcourse.launch(fsdp_training.reshard, world_size=2, kwargs={"reshard_after_forward": False}, quiet=True)[0]
     assert on["forward"] == off["forward"] == {"all-gather": 3}
     assert on["backward"] == {"all-gather": 3, "reduce-scatter": 3} and off["backward"] == {"reduce-scatter": 3}
     assert off["bytes held after forward"] == 2 * on["bytes held after forward"] == on["full model bytes"]
@@ -98,11 +98,11 @@ def test_reshard_after_forward_trades_an_all_gather_for_held_weights():
 
 @pytest.mark.skipif(distcourse.gpu_count() > 0, reason="pinning works where a GPU is present")
 def test_cpu_offload_pinned_memory_needs_a_gpu_and_unpinned_trains():
-    pinned = distcourse.launch(fsdp_practice.offload, world_size=2, kwargs={"pin_memory": True}, quiet=True)[0]
+    pinned = distcourse.launch(fsdp_training.offload, world_size=2, kwargs={"pin_memory": True}, quiet=True)[0]
     assert pinned["error"] is not None
     if torch.version.cuda is None and torch.version.hip is None:  # a CUDA build says "Found no NVIDIA driver"
         assert "Cannot access accelerator device" in pinned["error"]
-    unpinned = distcourse.launch(fsdp_practice.offload, world_size=2, kwargs={"pin_memory": False}, quiet=True)[0]
+    unpinned = distcourse.launch(fsdp_training.offload, world_size=2, kwargs={"pin_memory": False}, quiet=True)[0]
     assert unpinned["error"] is None and unpinned["shard device"] == "cpu" and len(unpinned["losses"]) == 3
 
 

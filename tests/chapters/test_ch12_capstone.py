@@ -10,8 +10,8 @@ import pytest
 import torch
 
 import distcourse
-from distcourse import capstone, parameter_server, sharding, torchrun_tools
-from distcourse.common import numerics
+from distcourse import capstone, launchers, parameter_server, sharding
+from distcourse.common import numerics, subprocesses
 from distcourse.exercises import ch12
 
 QUICK = ["--steps", "6", "--log-every", "2", "--eval-every", "3", "--eval-batches", "1", "--workers", "0"]
@@ -171,8 +171,8 @@ def test_tensor_parallel_degree_must_divide_the_ranks():
 @pytest.mark.slow
 def test_torchrun_kill_and_restart_resumes_exactly(tmp_path):
     common = [*QUICK, "--steps", "8", "--log-every", "1", "--deterministic"]  # bitwise resume, also on GPUs
-    plain = torchrun_tools.run(
-        torchrun_tools.torchrun(
+    plain = subprocesses.run(
+        subprocesses.torchrun(
             "--standalone",
             "--nproc-per-node=2",
             module="distcourse.capstone",
@@ -180,8 +180,8 @@ def test_torchrun_kill_and_restart_resumes_exactly(tmp_path):
         ),
         timeout=120,
     )
-    killed = torchrun_tools.run(
-        torchrun_tools.torchrun(
+    killed = subprocesses.run(
+        subprocesses.torchrun(
             "--standalone",
             "--nproc-per-node=2",
             "--max-restarts=1",
@@ -197,9 +197,9 @@ def test_torchrun_kill_and_restart_resumes_exactly(tmp_path):
 
 
 def test_slurm_script_runs_the_module_it_is_given():
-    (call,) = torchrun_tools.slurm_dry_run(args=["-m", "distcourse.capstone", "--steps", "7"])
+    (call,) = launchers.slurm_dry_run(args=["-m", "distcourse.capstone", "--steps", "7"])
     assert call[call.index("-m") :] == ["-m", "distcourse.capstone", "--steps", "7"]
-    (default,) = torchrun_tools.slurm_dry_run()
+    (default,) = launchers.slurm_dry_run()
     assert default[default.index("-m") + 1] == "distcourse.train"
 
 
@@ -214,7 +214,7 @@ def _gap(a, b) -> float:
 
 def test_synchronous_parameter_server_equals_one_process():
     result = distcourse.launch(
-        parameter_server.parameter_server, 3, kwargs={"port": torchrun_tools.free_port(), "steps": 4}, quiet=True
+        parameter_server.parameter_server, 3, kwargs={"port": subprocesses.free_port(), "steps": 4}, quiet=True
     )[0]
     reference = parameter_server.one_process(4, trainers=2, batch=32, width=32, lr=0.5)
     params = sum(p.numel() for p in reference)
@@ -225,7 +225,7 @@ def test_synchronous_parameter_server_equals_one_process():
 def test_allreduce_and_remote_autograd_equal_one_process():
     allreduce = distcourse.launch(parameter_server.allreduce_training, 2, kwargs={"steps": 4}, quiet=True)[0]
     remote = distcourse.launch(
-        parameter_server.remote_autograd, 2, kwargs={"port": torchrun_tools.free_port(), "steps": 4}, quiet=True
+        parameter_server.remote_autograd, 2, kwargs={"port": subprocesses.free_port(), "steps": 4}, quiet=True
     )
     assert _gap(allreduce["params"], parameter_server.one_process(4, 2, 32, 32, 0.5)) < 1e-6
     assert _gap(remote[1]["params"], parameter_server.one_process(4, 1, 32, 32, 0.5)) < 1e-6
@@ -236,7 +236,7 @@ def test_parameter_server_refuses_what_it_cannot_run():
     with pytest.raises(ValueError, match="mode must be 'sync' or 'async'"):
         parameter_server.ParameterServer("sometimes", trainers=2, width=8, lr=0.1)
     with pytest.raises(distcourse.RankFailed, match="remote_autograd runs on 2 ranks"):
-        distcourse.launch(parameter_server.remote_autograd, 3, kwargs={"port": torchrun_tools.free_port()}, quiet=True)
+        distcourse.launch(parameter_server.remote_autograd, 3, kwargs={"port": subprocesses.free_port()}, quiet=True)
 
 
 def test_ring_all_reduce_bytes_per_rank_is_chapter_03s_formula():

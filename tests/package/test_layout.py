@@ -73,8 +73,15 @@ def imports_of(path: Path, name: str) -> list[tuple[str, list[str]]]:
 
 
 def builds_on(path: Path) -> set[str]:
+    """The topic modules a docstring's ``Builds on:`` line names (``common/`` ones need no declaring)."""
     doc = ast.get_docstring(ast.parse(path.read_text(encoding="utf-8"))) or ""
-    return {part.strip() for match in BUILDS_ON.findall(doc) for part in match.split(",")}
+    names = set()
+    for line in BUILDS_ON.findall(doc):
+        for item in re.split(r"[,;]", re.sub(r"\([^)]*\)?", "", line)):
+            name = item.strip().strip("`.").removesuffix(".py").strip("`")
+            if name and not name.startswith("common/"):
+                names.add(name)
+    return names
 
 
 ALLOWED = {

@@ -19,7 +19,7 @@ import torch
 import distcourse
 from conftest import stray_processes
 from distcourse import checkpoints, train
-from distcourse import torchrun_tools as tt
+from distcourse.common import checkpoint_files, subprocesses
 
 pytestmark = pytest.mark.stress
 ATTEMPTS = test_stress.ATTEMPTS
@@ -50,7 +50,7 @@ def test_kill9_while_writing_a_checkpoint(tmp_path):
             distcourse.launch(
                 checkpoints.save_and_die,
                 1,
-                args=(checkpoints.checkpoint_path(directory, 8), True),
+                args=(checkpoint_files.checkpoint_path(directory, 8), True),
                 kwargs={"megabytes": 4, "die_after": cut},
                 init_process_group=False,
                 quiet=True,
@@ -58,9 +58,11 @@ def test_kill9_while_writing_a_checkpoint(tmp_path):
             killed = False
         except distcourse.RankFailed as exc:
             killed = "SIGKILL" in str(exc)
-        latest = checkpoints.latest_checkpoint(directory)
+        latest = checkpoint_files.latest_checkpoint(directory)
         loads = (
-            latest is not None and latest.name == "step-0004.pt" and checkpoints.load_checkpoint(latest)["step"] == 4
+            latest is not None
+            and latest.name == "step-0004.pt"
+            and checkpoint_files.load_checkpoint(latest)["step"] == 4
         )
         resumed = distcourse.launch(
             checkpoints.train_run,
@@ -79,15 +81,15 @@ def test_torchrun_restart_resumes_from_checkpoint(tmp_path):
     out = tmp_path / "reference"
     with contextlib.redirect_stdout(io.StringIO()) as printed:
         train.main(["--steps", "8", "--batch-size", "8", "--out", str(out)])
-    expected = tt.Result(["train.main"], 0, 0, printed.getvalue(), "", 0.0).json(0, "result")
-    expected_weights = checkpoints.load_checkpoint(out / "final.pt")
+    expected = subprocesses.Result(["train.main"], 0, 0, printed.getvalue(), "", 0.0).json(0, "result")
+    expected_weights = checkpoint_files.load_checkpoint(out / "final.pt")
     outcomes, worst = [], 0.0
     for attempt in range(ATTEMPTS):
         run_dir = tmp_path / f"elastic{attempt}"
         start = time.monotonic()
         try:
-            run = tt.run(
-                tt.torchrun(
+            run = subprocesses.run(
+                subprocesses.torchrun(
                     "--standalone",
                     "--nproc-per-node=2",
                     "--max-restarts=2",
@@ -109,7 +111,7 @@ def test_torchrun_restart_resumes_from_checkpoint(tmp_path):
                 timeout=120,
             )
             result = run.json(0, "result")
-            weights = checkpoints.load_checkpoint(run_dir / "final.pt")
+            weights = checkpoint_files.load_checkpoint(run_dir / "final.pt")
             ok = (
                 any("resumed from step 3" in line for line in run.ranks[0])
                 and abs(result["loss"] - expected["loss"]) < 1e-6

@@ -26,11 +26,14 @@ ALLOWED = {
     ("runtime/rank.py", "*"): "timestamps for blame, sent with a rank's failure (the earliest is the cause)",
     ("runtime/output.py", "*"): "how often the live view of the ranks' output is redrawn",
     ("runtime/processes.py", "*"): "grace periods before processes are killed",
-    ("torchrun_tools.py", "run_together"): "deadline and duration of torchrun agents, measured from outside",
-    ("torchrun_tools.py", "_wait_all"): "deadline of torchrun agents",
+    ("common/subprocesses.py", "run_together"): "deadline and duration of torchrun agents, measured from outside",
+    ("common/subprocesses.py", "_wait_all"): "deadline of torchrun agents",
     ("libraries.py", "run_script"): "wall time of a child process, measured from the parent, which runs no kernels",
     ("libraries.py", "seconds_since_start"): "a process's age from its start timestamp (psutil), not a timed region",
-    ("checkpoints.py", "dcp_async_save_while_training.<lambda>"): "when DCP's writer thread finished the files",
+    (
+        "distributed_checkpoints.py",
+        "dcp_async_save_while_training.<lambda>",
+    ): "when DCP's writer thread finished the files",
 }
 
 

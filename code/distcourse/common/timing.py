@@ -85,3 +85,25 @@ def best_of(fn, repeats: int = 3, device: Devices = None, *, warmup: int = 0, se
         fn(*args)
         times.append(clock(device) - start)
     return min(times[warmup:])
+
+
+def median(values) -> float:
+    """The middle value (the mean of the two middle ones for an even count)."""
+    import statistics
+
+    return statistics.median(values)
+
+
+def first_and_steady(seconds) -> dict:
+    """``{"first": seconds[0], "steady": median of the rest}`` for the seconds of successive steps.
+
+    The first step pays once for what later steps reuse (tracing and compiling, DDP's bucket
+    setup, allocations, connections), so it is reported apart. For the steady step the median,
+    not the mean or the minimum: on a shared machine a few steps are slowed by other processes,
+    which would pull a mean up, while the minimum is a lucky step that a run rarely repeats.
+    The median is what a typical step costs.
+    """
+    seconds = list(seconds)
+    if len(seconds) < 2:
+        raise ValueError(f"need a first step and at least one more, got {len(seconds)} step(s)")
+    return {"first": seconds[0], "steady": median(seconds[1:])}

@@ -14,7 +14,7 @@ import tempfile
 
 import torch
 
-from ..checkpoints import load_checkpoint
+from ..common.checkpoint_files import load_checkpoint
 from ..runtime.i18n import tr
 from . import verdict
 

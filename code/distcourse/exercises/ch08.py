@@ -8,8 +8,8 @@ Activations and buffers are left out, as in the chapter.
 
 from __future__ import annotations
 
+from ..common.memory import MIXED_ADAM, zero_bytes
 from ..runtime.i18n import number, tr
-from ..sharding import MIXED_ADAM, zero_bytes
 
 # (GPU memory in bytes, number of GPUs, ZeRO stage)
 CASES = [

@@ -12,7 +12,7 @@ on 2 ranks and counts the collectives with ``CommDebugMode``.
 from __future__ import annotations
 
 from ..activations import measure_block
-from ..fsdp_practice import measure_collectives
+from ..fsdp_training import measure_collectives
 from ..runtime.i18n import tr
 from ..runtime.launcher import launch
 from . import verdict

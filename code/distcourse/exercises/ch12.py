@@ -14,9 +14,9 @@ from __future__ import annotations
 import random
 
 from .. import capstone, parameter_server
+from ..common.subprocesses import free_port
 from ..runtime.i18n import tr
 from ..runtime.launcher import launch
-from ..torchrun_tools import free_port
 from . import verdict
 
 

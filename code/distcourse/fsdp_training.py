@@ -1,6 +1,6 @@
 """FSDP2 in practice, chapter 09 (second part): what a training loop adds to ``fully_shard``.
 
-Rank functions, each on chapter 08's MLP sharded layer by layer (``sharding.shard_model``)
+Rank functions, each on chapter 08's MLP sharded layer by layer (``common.sharded.shard_model``)
 and each checked against ``reference``, the same computation in one process:
 
 - ``clip``: ``clip_grad_norm_`` on sharded gradients (DTensors) computes the norm of the
@@ -23,21 +23,22 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
-from . import sharding
+from .common.memory import local_bytes
 from .common.models import mlp
+from .common.sharded import count_collectives, full, local_part, make_model, rank_batch, shard_model
 from .runtime.hardware import rank_device
 
-LAYERS = 3  # Linear layers in sharding.make_model(): each is one FSDP unit
+LAYERS = 3  # Linear layers in make_model(): each is one FSDP unit
 
 
 def micro_batch(rank: int, world_size: int, index: int):
     """Rank ``rank``'s share of micro-batch ``index`` (32 samples each); fixed across runs."""
-    return sharding._batch(rank, world_size, step=index)
+    return rank_batch(rank, world_size, step=index)
 
 
 def reference(world_size: int, micro_batches: int = 1, max_norm: float | None = None) -> dict:
     """One process: gradients of the mean loss over every rank's samples, optionally clipped."""
-    model = sharding.make_model()
+    model = make_model()
     for i in range(micro_batches):
         x = torch.cat([micro_batch(r, world_size, i)[0] for r in range(world_size)])
         y = torch.cat([micro_batch(r, world_size, i)[1] for r in range(world_size)])
@@ -58,16 +59,16 @@ def clip(max_norm: float = 0.5) -> dict:
     from torch.distributed.tensor.debug import CommDebugMode
 
     device = rank_device()
-    model = sharding.shard_model(sharding.make_model().to(device))
+    model = shard_model(make_model().to(device))
     x, y = micro_batch(dist.get_rank(), dist.get_world_size(), 0)
     F.cross_entropy(model(x.to(device)), y.to(device)).backward()
     with CommDebugMode() as comm:
         norm = nn.utils.clip_grad_norm_(model.parameters(), max_norm)
     return {
         "norm type": type(norm).__name__,
-        "norm": sharding.full(norm).item(),
-        "collectives": sharding.count_collectives(comm),
-        "grads": {n: sharding.full(p.grad).cpu() for n, p in model.named_parameters()},
+        "norm": full(norm).item(),
+        "collectives": count_collectives(comm),
+        "grads": {n: full(p.grad).cpu() for n, p in model.named_parameters()},
     }
 
 
@@ -83,7 +84,7 @@ def accumulate(
     sync="last, unsharded": also ``set_reshard_after_backward(False)`` until the last
         micro-batch, so the weights stay gathered and the next forward needs no all-gather;
         the full-size gradients are then plain ``p.grad`` tensors one can see.
-    ``layers``: Linear layers of the MLP (each one FSDP unit); 3 is ``sharding.make_model()``.
+    ``layers``: Linear layers of the MLP (each one FSDP unit); 3 is ``make_model()``.
     Returns the collectives of each micro-batch, what ``p.grad`` of the first layer was
     after each, and the full gradients at the end.
     """
@@ -93,8 +94,8 @@ def accumulate(
     if sync not in modes:
         raise ValueError(f"sync must be one of {modes}, got {sync!r}")
     device = rank_device()
-    model = mlp(width=256, depth=layers - 1, seed=0).to(device)  # layers=3: sharding.make_model()
-    model = sharding.shard_model(model, reshard_after_forward=reshard_after_forward)
+    model = mlp(width=256, depth=layers - 1, seed=0).to(device)  # layers=3: make_model()
+    model = shard_model(model, reshard_after_forward=reshard_after_forward)
     rank, world = dist.get_rank(), dist.get_world_size()
     per_micro_batch, first_grad = [], []
     for i in range(micro_batches):
@@ -104,13 +105,13 @@ def accumulate(
         x, y = micro_batch(rank, world, i)
         with CommDebugMode() as comm:
             (F.cross_entropy(model(x.to(device)), y.to(device)) / micro_batches).backward()
-        per_micro_batch.append(sharding.count_collectives(comm))
+        per_micro_batch.append(count_collectives(comm))
         grad = model[0].weight.grad  # None while FSDP2 keeps the accumulated gradient itself
-        first_grad.append(None if grad is None else (type(grad).__name__, tuple(sharding._local(grad).shape)))
+        first_grad.append(None if grad is None else (type(grad).__name__, tuple(local_part(grad).shape)))
     return {
         "collectives": per_micro_batch,
         "first layer grad": first_grad,
-        "grads": {n: sharding.full(p.grad).cpu() for n, p in model.named_parameters()},
+        "grads": {n: full(p.grad).cpu() for n, p in model.named_parameters()},
     }
 
 
@@ -141,21 +142,21 @@ def reshard(reshard_after_forward: bool = True) -> dict:
     from torch.distributed.tensor.debug import CommDebugMode
 
     device = rank_device()
-    model = sharding.shard_model(sharding.make_model().to(device), reshard_after_forward=reshard_after_forward)
+    model = shard_model(make_model().to(device), reshard_after_forward=reshard_after_forward)
     x, y = micro_batch(dist.get_rank(), dist.get_world_size(), 0)
     with CommDebugMode() as forward:
         loss = F.cross_entropy(model(x.to(device)), y.to(device))
     linears = [m for m in model if isinstance(m, nn.Linear)]
-    held = sharding.local_bytes(p for m in linears for p in m.parameters())  # a DTensor counts its shard only
+    held = local_bytes(p for m in linears for p in m.parameters())  # a DTensor counts its shard only
     gathered = sum(not hasattr(m.weight, "to_local") for m in linears)
     with CommDebugMode() as backward:
         loss.backward()
     return {
-        "forward": sharding.count_collectives(forward),
-        "backward": sharding.count_collectives(backward),
+        "forward": count_collectives(forward),
+        "backward": count_collectives(backward),
         "bytes held after forward": held,
         "layers still gathered": gathered,
-        "full model bytes": sum(p.numel() * p.element_size() for p in sharding.make_model().parameters()),
+        "full model bytes": sum(p.numel() * p.element_size() for p in make_model().parameters()),
     }
 
 
@@ -172,9 +173,7 @@ def offload(pin_memory: bool = False, steps: int = 3) -> dict:
 
     device = rank_device()
     try:
-        model = sharding.shard_model(
-            sharding.make_model().to(device), offload_policy=CPUOffloadPolicy(pin_memory=pin_memory)
-        )
+        model = shard_model(make_model().to(device), offload_policy=CPUOffloadPolicy(pin_memory=pin_memory))
     except Exception as error:  # reported, not raised: the chapter shows the message
         return {"error": f"{type(error).__name__}: {error}"}
     optimizer = torch.optim.SGD(model.parameters(), lr=0.3)
