@@ -42,9 +42,11 @@ test: lint $(NODE_STAMP) ## everything CI runs: lint, numerics, every test and n
 check: lint ## the fast tier (< 3 min): lint and the tests not marked slow or stress
 	$(PY) -m pytest tests -m "not slow and not stress" -q
 
-lint: $(STAMP) ## ruff check and ruff format --check
+# The language lint (issue 27): English that skips tr(), the reviewers' terms, each language's typography.
+lint: $(STAMP) ## ruff check, ruff format --check and the language lint
 	$(VENV)/bin/ruff check $(LINTED)
 	$(VENV)/bin/ruff format --check $(LINTED)
+	$(PY) tools/lint_language.py
 
 # The fast numerical tests (marked numerics) under other CPU kernels, < 1 min each: ATen's portable
 # kernels with MKL's reproducible code path, then ATen's and oneDNN's AVX2 kernels. They add in

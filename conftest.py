@@ -86,3 +86,20 @@ def pytest_terminal_summary(terminalreporter):
         writer.writerow(["notebook", "seconds"])
         writer.writerows((path, f"{seconds:.2f}") for path, seconds in rows)
     tr.write_line(f"written to {out}")
+
+
+# --- English in the outputs of translated chapters (issue 27) ---------------------------------------
+# nbval executes every chapter in every language (`make test`), so each translated cell's outputs are
+# checked here as they arrive: no notebook runs twice. The committed notebooks carry no outputs and CI
+# builds the book after the tests, so this is where CI sees what a reader of a translation sees.
+# Which lines count as the course's English: tools/lint_language.py (rule outputs, check_nbval_item).
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_call(item):
+    result = yield
+    if item.nodeid.split("::")[0].endswith(".ipynb"):
+        import lint_language  # tools/ is on pytest's pythonpath (pyproject.toml)
+
+        problem = lint_language.check_nbval_item(item)
+        if problem:
+            pytest.fail(problem, pytrace=False)
+    return result

@@ -1,0 +1,344 @@
+"""tools/lint_language.py: each rule catches the bad form and passes the good one; the repository is clean.
+
+The examples are small strings and notebook dicts; the last test lints the whole repository (what
+`make lint` runs) and fails while a translation or a tr() string is still missing.
+"""
+
+import json
+import textwrap
+from pathlib import Path
+
+import lint_language as lint
+import pytest
+from lint_language import Text
+
+ROOT = Path(__file__).resolve().parents[2]
+NBSP = "\u00a0"
+
+
+def code_findings(source: str) -> list[str]:
+    return [text for _, text in lint.untranslated(lint.strip_magics(textwrap.dedent(source)))]
+
+
+def term_findings(lang: str, text: str, kind: str = "prose", path: str = "chapters/xx/99-test.ipynb") -> list[str]:
+    return [f.message for f in lint.check_terms_text(Text(path, "cell 2", kind, text), lang)]
+
+
+def typography(lang: str, markdown: str, kind: str = "prose") -> list[str]:
+    texts = lint.prose_blocks(markdown) if kind in ("prose", "notes") else [markdown]
+    return [f.message for t in texts for f in lint.check_typography_text(Text("x.ipynb", "cell 2", kind, t), lang)]
+
+
+def notebook(*cells: dict, lang: str = "ru") -> dict:
+    metadata = {"distcourse": {"translation": {"language": lang}}} if lang != "en" else {}
+    return {"cells": list(cells), "metadata": metadata, "nbformat": 4, "nbformat_minor": 5}
+
+
+def markdown_cell(source: str) -> dict:
+    return {"cell_type": "markdown", "metadata": {}, "source": source}
+
+
+def code_cell(source: str, outputs=()) -> dict:
+    return {"cell_type": "code", "metadata": {}, "source": source, "outputs": list(outputs), "execution_count": None}
+
+
+def stdout(text: str) -> dict:
+    return {"output_type": "stream", "name": "stdout", "text": text}
+
+
+# ---------------------------------------------------------------- rule: code
+
+
+@pytest.mark.parametrize(
+    "bad",
+    [
+        'print(f"replicas identical; largest difference {gap:.1e}")',
+        'print("with Join: done in " + str(seconds) + " s")',
+        """print(f"rank {r}: {'SAME' if same else 'different from rank 0'}")""",
+        'say(rank, f"step {step} finished on the slow rank")',
+        'ax.set_ylabel("seconds")',  # figure text: one English word is enough
+        'ax.plot(x, y, label="measured")',
+        'ax.barh(["1 process", "TP"], values)',
+        'display(Markdown(markdown_table(["rank", "node on 2×2"], rows)))',
+        'label = "1 rank x 2 threads"\nprint(label)',
+        'clock["1-2. formats, loss scaling"] = time.perf_counter() - started',
+        '%%time\nprint("the ranks agree with each other")',
+        'sys.stdout.write(f"resumed from step {step}\\n")',
+    ],
+)
+def test_code_catches_english_that_skips_tr(bad):
+    assert code_findings(bad), bad
+
+
+@pytest.mark.parametrize(
+    "good",
+    [
+        'print(tr("replicas identical; largest difference {gap}").format(gap=number(gap, 1)))',
+        'print(tr("with Join: done in {seconds} s").format(seconds=number(seconds, 2)))',
+        'print(f"num_workers={n}: {rate:.0f}")',  # identifiers and numbers
+        'print("all-reduce", "reduce-scatter", "forward/backward")',  # collective and op names
+        'print(f"{name:16s} {seconds:6.2f} ms")',  # format fields and units
+        'print("TP + SP:", sp)',  # acronyms
+        'ax.set_ylabel(tr("seconds"))',
+        'ax.legend(loc="upper left", fontsize=8)',  # options, not text
+        'print(f"rank {r}:")',  # one word is not a sentence
+        'sample = generate(model, "Distributed training ", 160)\nprint(sample)',  # the model writes it
+        'if "closing signal" in line:\n    print(line)',  # a key searched for, not shown
+        'print(json.dumps({"world size": 2, "tokens per second": 3.5}))',  # a machine-readable line
+        'clock[tr("1-2. formats, loss scaling")] = time.perf_counter() - started',
+        'raise ValueError("world size must be positive")',  # not printed by the course
+        'print(f"join: {waits.join}  close: {waits.close}  heartbeat: {waits.heartbeat}")',  # field names
+    ],
+)
+def test_code_passes_translated_or_technical_text(good):
+    assert code_findings(good) == [], good
+
+
+def test_code_checks_english_notebooks_and_reports_cells(tmp_path):
+    path = tmp_path / "chapters" / "en" / "99-test.ipynb"
+    path.parent.mkdir(parents=True)
+    setup = code_cell('print("the setup cell comes from tools/headers.py")')
+    nb = notebook(markdown_cell("# Title"), setup, code_cell('print("every rank has the same weights")'), lang="en")
+    path.write_text(json.dumps(nb), encoding="utf-8")
+    findings = lint.lint_paths([path], {"code"})
+    assert [(f.where, f.rule) for f in findings] == [("cell 2", "code")]
+    assert str(findings[0]) == f"{path}:cell 2: code: English text without tr(): 'every rank has the same weights'"
+
+
+def test_english_words_skip_identifiers_units_and_fields():
+    text = "dist.get_rank() --nnodes=2 DDP FSDP2 all-reduce {n:,} ms the loss `x y`"
+    assert lint.english_words(text) == ["the", "loss"]
+
+
+# ---------------------------------------------------------------- rule: terms
+
+
+@pytest.mark.parametrize(
+    "lang, bad, good",
+    [
+        ("ru", "Ранг, у которого функция потерь стала NaN.", "Ранг, у которого потери стали NaN."),
+        ("ru", "проверяйте функцию потерь на каждом ранге", "функцию потерь вычисляет каждый ранг"),
+        ("ru", "на модели из 124M параметров", "на модели из 124 млн параметров"),
+        ("ru", "пишите в лог время ожидания", "пишите в журнал время ожидания"),
+        ("zh-CN", "bf16 autocast 和激活值检查点作为命令行选项", "bf16 autocast 和激活检查点作为命令行选项"),
+        ("zh-CN", "在执行优化步骤之前", "在执行优化器步骤之前"),
+        ("zh-TW", "本章第一部分在兩個節點上啟動了工作。", "本章第一部分在兩個節點上啟動了作業，工作行程各一個。"),
+        ("zh-TW", "預設的記憶體（内存）", "預設的記憶體"),
+        ("zh-TW", "排程器的日誌", "排程器的記錄檔"),
+        ("pt-BR", "TP dentro do nó e FSDP2 entre nós", "TP dentro do nó e FSDP2 entre os nós"),
+        ("pt-BR", "erros que não levantam nada", "erros que não lançam nenhuma exceção"),
+        ("pt-BR", "um modelo de 70B parâmetros", "um modelo de 70B de parâmetros"),
+        ("ko", "스텝 {step}에서 재개(에포크 {epoch})", "스텝 {step}에서 재개(에폭 {epoch})"),
+        ("ko", "텐서의 값에 의존하는 Python 코드", "텐서의 값에 의존하는 파이썬 코드(Python 3.13까지)"),
+        ("ko", "모든 복제본이 같은 스텝을 밟습니다", "모든 복제본이 같은 스텝을 실행합니다"),
+    ],
+)
+def test_terms_catch_the_reviewers_splits(lang, bad, good):
+    assert term_findings(lang, bad), bad
+    assert term_findings(lang, good) == [], good
+
+
+def test_terms_respect_where_an_entry_applies():
+    # ru: «раскладка» is the parallel layout's wrong name in chapters 10-12, the right one for DCP in 05.
+    assert term_findings("ru", "каждая раскладка обучает", path="chapters/ru/12-capstone-at-scale.ipynb")
+    assert (
+        term_findings("ru", "каждый читатель запрашивает свою раскладку", path="chapters/ru/05-checkpoints.ipynb") == []
+    )
+    # zh-TW: the informal 砍掉 may stay in the instructor's speaker notes.
+    assert term_findings("zh-TW", "上一次在砍掉作業之前，等了多久？", kind="prose")
+    assert term_findings("zh-TW", "上一次在砍掉作業之前，等了多久？", kind="notes") == []
+    # ru: the code-comment conventions apply to comments only.
+    assert term_findings("ru", "Ваш код: верните эпоху", kind="comments")
+    assert term_findings("ru", "Ваш код здесь: верните эпоху", kind="comments") == []
+
+
+def test_every_term_entry_is_complete_and_passes_its_own_preferred_form():
+    config = lint.config()
+    assert set(config["terms"]) == set(lint.translated_languages())
+    for lang, entries in config["terms"].items():
+        for entry in entries:
+            assert entry.get("preferred") and entry.get("why"), (lang, entry)
+            assert set(entry.get("in", [])) <= {"prose", "notes", "comments", "catalog"}, entry
+        for term in lint.terms(lang):
+            assert not term.forbidden.search(term.preferred), (lang, term.forbidden.pattern, term.preferred)
+
+
+def test_terms_read_markdown_comments_and_catalogs(tmp_path):
+    chapter = tmp_path / "chapters" / "pt-BR" / "10-x.ipynb"
+    chapter.parent.mkdir(parents=True)
+    nb = notebook(
+        markdown_cell("# Título"),
+        code_cell("import os"),
+        markdown_cell("FSDP2 entre nós. O código `entre nós` não conta."),
+        code_cell("x = 1  # replicação entre nós"),
+        lang="pt-BR",
+    )
+    chapter.write_text(json.dumps(nb), encoding="utf-8")
+    catalog = tmp_path / "pt-BR.yml"
+    catalog.write_text('# chapter 10\nbetween nodes: "entre nós"\nwithin a node: "dentro do nó"\n', encoding="utf-8")
+    findings = lint.lint_paths([chapter, catalog], {"terms"})
+    assert sorted((Path(f.path).name, f.where) for f in findings) == [
+        ("10-x.ipynb", "cell 2"),
+        ("10-x.ipynb", "cell 3"),
+        ("pt-BR.yml", "line 2"),
+    ]
+
+
+# ---------------------------------------------------------------- rule: typography
+
+
+@pytest.mark.parametrize(
+    "lang, bad, good",
+    [
+        ("ru", "Шаг занимает 3 мс.", f"Шаг занимает 3{NBSP}мс."),
+        ("ru", "Модель из 130 000 параметров.", "Модель из 130\u202f000 параметров."),
+        ("ru", "Первый шаг длится 1,5 с, второй быстрее.", f"Первый шаг длится 1,5{NBSP}с, второй быстрее."),
+        ("ru", 'TP с SP вдоль "tp".', "TP с SP вдоль «tp»."),
+        ("zh-CN", "在 rank 0 上运行, 然后广播。", "在 rank 0 上运行，然后广播。"),
+        ("zh-CN", "计算时间 (ms) 见下表。", "计算时间（ms）见下表。"),
+        ("zh-CN", "每个 rank 都得到\n完整的结果。", "每个 rank 都得到完整的结果。"),
+        ("zh-TW", "誤差在 10 % 以內。", "誤差在 10% 以內。"),
+        ("ko", "- **`monitored_barrier`**는 이름을 알려 줍니다.", "- **`monitored_barrier`는** 이름을 알려 줍니다."),
+        ("ko", "마지막 10 %는 평가에 씁니다.", "마지막 10%는 평가에 씁니다."),
+        ("pt-BR", "O primeiro passo leva 1.5 s.", "O primeiro passo leva 1,5 s."),
+        ("pt-BR", "estoura em 65504 e sofre underflow", "estoura em 65.504 e sofre underflow"),
+        ("pt-BR", "cerca de 0.5 do tempo", "cerca de 0,5 do tempo"),
+    ],
+)
+def test_typography_catches_each_languages_conventions(lang, bad, good):
+    nb = notebook(markdown_cell(bad), markdown_cell(good), lang=lang)
+    findings = lint.lint_notebook(Path("x.ipynb"), nb, {"typography"})
+    assert [f.where for f in findings] and {f.where for f in findings} == {"cell 0"}, (bad, findings)
+
+
+@pytest.mark.parametrize(
+    "lang, good",
+    [
+        ("ru", "ранг 1 с рангом 0 обмениваются"),  # the preposition «с», not seconds
+        ("ru", 'код `print("x")` и формула $a = "b"$'),  # quotes in code and math
+        ("ru", 'ссылка [на сайт](https://example.org/a"b) в тексте'),  # a link target is not prose
+        ("zh-CN", "形状为 (h, 4h) 的权重与 (批大小 × 序列长度 × 隐藏维度) 的激活"),  # tuples and math
+        ("zh-CN", "每个 rank 都得到结果。\n\n下一段从这里开始。"),  # two paragraphs
+        ("zh-CN", "列表：\n\n- 第一项\n- 第二项"),  # list items
+        ("pt-BR", "desde o PyTorch 2.6, e no Python 3.13"),  # versions
+        ("pt-BR", "um modelo de 130.000 parâmetros (Dean et al., 2012), porta 29500"),  # grouped, year, port
+        ("pt-BR", "camadas de 1024 × 1024 e `0.5` em código"),  # a dimension, code
+        ("ko", "**분산 autograd**는 RPC를 넘나들며"),  # the particle after plain bold text closes fine
+    ],
+)
+def test_typography_passes_what_is_not_prose_or_is_right(lang, good):
+    assert typography(lang, good) == [], good
+
+
+def test_typography_in_comments_and_catalogs():
+    assert typography("pt-BR", "0.4 ms por amostra no forward", kind="comments")
+    assert typography("pt-BR", "0,4 ms por amostra; a 2.13 e posteriores", kind="comments") == []
+    assert typography("zh-CN", "暴露的通信 (ms)", kind="catalog")
+    assert typography("zh-CN", "未被掩盖的通信（ms）", kind="catalog") == []
+
+
+def test_unclosed_emphasis_is_found_by_rendering():
+    assert lint.unclosed_emphasis("torchrun 아래에서 **`@record`**는 트레이스백을 씁니다.")
+    assert lint.unclosed_emphasis("**修复方法：**在 `worker_init_fn` 中")  # full-width colon before the closing **
+    assert lint.unclosed_emphasis("**修复方法**：在 `worker_init_fn` 中") == []
+    assert lint.unclosed_emphasis("a `**kwargs` code span and 2 ** 3 in `math`") == []
+
+
+# ---------------------------------------------------------------- rule: outputs
+
+# What the outputs rule matches against: literals the course can print (here two small modules).
+LITERALS = lint.literal_index(
+    [
+        'def close(grouped):\n    print(grouped or "(the ranks printed nothing)\\n")',
+        'def report(n):\n    return {"weight unchanged": n, "scale": 2}',
+        'print(tr("finished {n} batches").format(n=3))',
+        'if "closing signal" in line:\n    print(line)',
+    ]
+)
+
+
+@pytest.mark.parametrize(
+    "line",
+    [
+        "(the ranks printed nothing)",  # a package string, shown as it is
+        "{'weight unchanged': True, 'scale': 2.0}",  # a module's dict, printed by the chapter
+        "[rank 1] finished 5 batches",  # a tr() string whose catalog entry is missing
+    ],
+)
+def test_outputs_catch_the_courses_english(line):
+    for lang in lint.translated_languages():
+        assert lint.english_in_outputs([stdout(line + "\n")], lang, LITERALS) == [line], lang
+
+
+@pytest.mark.parametrize(
+    "output",
+    [
+        stdout("[ранг 1] завершено батчей: 5\n"),  # translated
+        stdout("ранги ничего не напечатали (the ranks printed nothing)\n"),  # the page's script: a gloss
+        stdout("RuntimeError: Connection closed by peer; the ranks printed nothing\n"),  # an error, quoted
+        stdout("[W1125 10:00:00] closing signal SIGTERM to the ranks printed\n"),  # torchrun's log
+        stdout("every rank finished in 0.8 s\n"),  # English, but not the course's: a quoted tool message
+        stdout('[rank 0] result {"note": "the ranks printed nothing"}\n'),  # a machine-readable JSON line
+        {"output_type": "stream", "name": "stderr", "text": "(the ranks printed nothing)\n"},  # not page text
+        {"output_type": "display_data", "data": {"image/png": "", "text/plain": "<Figure size 640x480 with 1 Axes>"}},
+    ],
+)
+def test_outputs_pass_translations_and_tool_messages(output):
+    assert lint.english_in_outputs([output], "ru", LITERALS) == []
+
+
+def test_outputs_read_markdown_results():
+    table = "| rank | weight unchanged |\n|---:|---|\n| 0 | `x` |"
+    outputs = [{"output_type": "display_data", "data": {"text/markdown": table, "text/plain": "<Markdown>"}}]
+    assert lint.english_in_outputs(outputs, "ko", LITERALS) == ["weight unchanged"]
+
+
+def test_outputs_rule_over_an_executed_notebook_and_the_nbval_hook(tmp_path, monkeypatch):
+    monkeypatch.setattr(lint, "course_literals", lambda: LITERALS)
+    path = tmp_path / "chapters" / "ko" / "99-test.ipynb"
+    path.parent.mkdir(parents=True)
+    cells = [code_cell("run()", [stdout("(the ranks printed nothing)\n")]), code_cell("run()", [stdout("랭크 0\n")])]
+    path.write_text(json.dumps(notebook(*cells, lang="ko")), encoding="utf-8")
+    assert [(f.where, f.rule, f.lang) for f in lint.lint_paths([path], {"outputs"})] == [("cell 0", "outputs", "ko")]
+
+    class Item:  # what nbval gives the hook in conftest.py
+        def __init__(self, path, outputs):
+            self.path, self.test_outputs = path, outputs
+
+    assert "(the ranks printed nothing)" in lint.check_nbval_item(Item(path, cells[0]["outputs"]))
+    assert lint.check_nbval_item(Item(path, cells[1]["outputs"])) is None
+    english_chapter = tmp_path / "chapters" / "en" / "99-test.ipynb"
+    assert lint.check_nbval_item(Item(english_chapter, cells[0]["outputs"])) is None
+
+
+def test_outputs_know_the_courses_own_literals():
+    literals = lint.course_literals()
+    assert len({literal for group in literals.values() for literal in group}) > 300
+    assert all(len(literal.words) >= 2 for group in literals.values() for literal in group)
+
+
+# ---------------------------------------------------------------- the command
+
+
+def test_command_filters_and_summary(tmp_path, capsys):
+    path = tmp_path / "chapters" / "pt-BR" / "99-test.ipynb"
+    path.parent.mkdir(parents=True)
+    nb = notebook(markdown_cell("FSDP2 entre nós leva 1.5 s."), lang="pt-BR")
+    path.write_text(json.dumps(nb), encoding="utf-8")
+
+    assert lint.main([str(path)]) == 1
+    lines = capsys.readouterr().out.splitlines()
+    assert len(lines) == 2 and all(line.startswith(f"{path}:cell 0: ") for line in lines)
+    assert lint.main(["--rule", "terms", str(path)]) == 1
+    assert capsys.readouterr().out.count(": terms: ") == 1
+    assert lint.main(["--lang", "ru", str(path)]) == 0
+    assert lint.main(["--summary", str(path)]) == 1
+    summary = capsys.readouterr().out.splitlines()
+    assert summary[0].split() == ["rule", "pt-BR", "total"]
+    assert summary[2].split() == ["terms", "1", "1"] and summary[3].split() == ["typography", "1", "1"]
+
+
+def test_repository_is_clean():
+    """What `make lint` checks: no finding of any rule in any language (see issue 27)."""
+    findings = lint.lint_repository(set(lint.RULES), {"en", *lint.translated_languages()})
+    assert not findings, f"{len(findings)} finding(s), e.g.:\n" + "\n".join(map(str, findings[:40]))
