@@ -42,7 +42,7 @@ test: lint $(NODE_STAMP) ## everything CI runs: lint, numerics, every test and n
 check: lint ## the fast tier (< 3 min): lint and the tests not marked slow or stress
 	$(PY) -m pytest tests -m "not slow and not stress" -q
 
-# The language lint (issue 27): English that skips tr(), the reviewers' terms, each language's typography.
+# The language lint: English that skips tr(), the reviewers' terms, each language's typography.
 lint: $(STAMP) ## ruff check, ruff format --check and the language lint
 	$(VENV)/bin/ruff check $(LINTED)
 	$(VENV)/bin/ruff format --check $(LINTED)

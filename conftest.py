@@ -88,7 +88,7 @@ def pytest_terminal_summary(terminalreporter):
     tr.write_line(f"written to {out}")
 
 
-# --- English in the outputs of translated chapters (issue 27) ---------------------------------------
+# --- English in the outputs of translated chapters  ---------------------------------------
 # nbval executes every chapter in every language (`make test`), so each translated cell's outputs are
 # checked here as they arrive: no notebook runs twice. The committed notebooks carry no outputs and CI
 # builds the book after the tests, so this is where CI sees what a reader of a translation sees.

@@ -14,7 +14,7 @@ code        an English sentence that reaches the reader without ``tr()``: a stri
             ``code/distcourse/**/*.py`` and in the English chapters' code cells (the translations run the
             same code). "English" means at least two English words (one in figure text), not counting
             identifiers, API and collective names, units and format fields (``assets/terms.yml``: allow).
-terms       a rendering the reviewers asked to replace, per language (``assets/terms.yml``), in the
+terms       a rendering the course does not use, per language (``assets/terms.yml``), in the
             translated chapters' markdown and code comments and in ``code/distcourse/locale/<lang>.yml``.
 typography  each language's conventions in prose (markdown minus code, math, URLs, HTML and link targets):
             ru no-break spaces between a number and its unit and inside grouped numbers, « » quotes;
