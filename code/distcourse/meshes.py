@@ -4,10 +4,12 @@
    ``torch.distributed`` or DTensor alike, with its process group and its bytes;
 2. ``mesh_train`` (rank function, 4 ranks): the chapter's GPT trained three ways on the same
    global batch, ``fsdp`` (1-D, 4 ranks), ``tp+fsdp`` (a (dp, tp) mesh: TP on "tp", FSDP2
-   on "dp") and ``hsdp`` (a (replicate, shard) mesh); each compared with one process;
+   on "dp") and ``hsdp`` (a (replicate, shard) mesh); each compared with one process
+   (``mesh_train_all``: the three in one launch);
 3. ``volume``: the bytes per rank and step of each layout from formulas, for any model size,
-   and ``choose``: a layout for a model, a GPU and a cluster, derived from those formulas
-   and chapter 08-09's memory formulas.
+   ``step_time`` and ``memory_per_gpu``, and ``choose``: a layout for a model, a GPU and a
+   cluster, derived from those formulas and chapter 08-09's memory formulas (or, when no
+   layout fits, a sentence saying so).
 
 The GPT's sizes, plan, batches, loss and one-process reference come from chapter 10's first part.
 Builds on: tensor_parallel
@@ -26,6 +28,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from .common.models import gpt
 from .common.sharded import full
 from .runtime.hardware import rank_device
+from .runtime.i18n import tr
 from .tensor_parallel import SIZES, lm_loss, reference_train, tokens, tp_plan
 
 LAYOUTS = ("fsdp", "tp+fsdp", "hsdp")
@@ -159,6 +162,12 @@ def mesh_train(layout: str = "tp+fsdp", steps: int = 3) -> dict:
     return {"losses": losses, "params": params, "traffic": traffic}
 
 
+def mesh_train_all(steps: int = 3) -> dict:
+    """Rank function: ``mesh_train`` for each of ``LAYOUTS`` in turn, {layout: result}, in one
+    launch (starting 4 ranks costs more than training this model)."""
+    return {layout: mesh_train(layout, steps) for layout in LAYOUTS}
+
+
 def reference(steps: int = 3) -> dict:
     """One process, the whole global batch: what every layout must reproduce."""
     return reference_train(steps, batch=GLOBAL_BATCH)
@@ -169,11 +178,28 @@ def reference(steps: int = 3) -> dict:
 # --------------------------------------------------------------------------------------
 
 # Published link speeds, per GPU and direction, in bytes per second (see the chapter for sources).
-LINKS = {
-    "NVLink 4 (H100 SXM, inside a node)": 450e9,  # 900 GB/s total bidirectional per GPU
-    "PCIe 5.0 x16": 64e9,
-    "InfiniBand NDR, one 400 Gb/s port per GPU (between nodes)": 50e9,
-}
+LINK_SPEEDS = {"nvlink": 450e9, "pcie": 64e9, "infiniband": 50e9}  # NVLink 4: 900 GB/s both ways per GPU
+
+
+def links() -> dict:
+    """``LINK_SPEEDS`` under names in the reader's language: {name: bytes per second}."""
+    names = {
+        "nvlink": tr("NVLink 4 (H100 SXM, inside a node)"),
+        "pcie": tr("PCIe 5.0 x16"),
+        "infiniband": tr("InfiniBand NDR, one 400 Gb/s port per GPU (between nodes)"),
+    }
+    return {names[key]: speed for key, speed in LINK_SPEEDS.items()}
+
+
+def tp_collectives_per_layer(recompute: bool = False) -> int:
+    """TP collectives per layer and step with sequence parallelism: an all-gather and a
+    reduce-scatter around attention and around the MLP, in forward and again in backward: 8.
+
+    ``recompute``: full activation checkpointing with torch's (non-reentrant) checkpoint. Backward
+    reruns the block's forward, but stops after the last tensor backward needs; nothing needs
+    the block's final reduce-scatter, so 3 more, not 4 (chapter 10 counts them): 11.
+    """
+    return 11 if recompute else 8
 
 
 def volume(
@@ -187,6 +213,7 @@ def volume(
     nodes: int,
     pbytes: int = 2,
     abytes: int = 2,
+    recompute: bool = False,
 ) -> dict:
     """Bytes each GPU sends per training step, inside its node and to other nodes (ring algorithms).
 
@@ -199,8 +226,9 @@ def volume(
              across nodes (2 (m-1)/m · P / g).
     tp+fsdp: TP inside each node with sequence parallelism, per layer an all-gather and a
              reduce-scatter of b·s·h activations around attention and around the MLP, in
-             forward and in backward (8 (g-1)/g · tokens · h per layer); FSDP of the 1/g of
-             the parameters each GPU holds across the nodes (3 (m-1)/m · P / g).
+             forward and in backward (8 (g-1)/g · tokens · h per layer; with ``recompute``,
+             full activation checkpointing, 11: ``tp_collectives_per_layer``); FSDP of the
+             1/g of the parameters each GPU holds across the nodes (3 (m-1)/m · P / g).
     A collective whose ranks span nodes is counted as traffic between nodes: a ring is as
     fast as its slowest link.
     """
@@ -208,7 +236,7 @@ def volume(
     n = g * m
     p = params * pbytes
     ring = lambda k: (k - 1) / k  # noqa: E731  (the share of a full tensor a ring sends per rank)
-    tp_bytes = 8 * layers * ring(g) * tokens * hidden * abytes
+    tp_bytes = tp_collectives_per_layer(recompute) * layers * ring(g) * tokens * hidden * abytes
     spans_nodes = m > 1
     formulas = {
         "ddp": (0.0, 2 * ring(n) * p) if spans_nodes else (2 * ring(n) * p, 0.0),
@@ -233,22 +261,37 @@ def step_time(
     gpus_per_node: int,
     nodes: int,
     flops: float = 400e12,
-    inside_bps: float = 450e9,
-    between_bps: float = 50e9,
+    inside_bps: float = LINK_SPEEDS["nvlink"],
+    between_bps: float = LINK_SPEEDS["infiniband"],
+    checkpointing: bool = False,
 ) -> dict:
     """Seconds per step on one GPU: compute, communication, and the part of it not hidden.
 
     ``batch`` sequences per GPU in every layout (the same global batch); with TP a group of
     ``gpus_per_node`` GPUs shares ``gpus_per_node · batch`` sequences. Compute: 6 · params ·
-    tokens / ``flops`` (forward + backward; 400 TFLOP/s is ~40 % of an H100's dense bf16
-    peak). Data-parallel traffic (DDP, FSDP, HSDP) overlaps with compute, so only what
-    exceeds the compute time is exposed; TP's collectives sit between the layers' matrix
-    products and are exposed in full.
+    tokens / ``flops`` (forward 2, backward 4; 400 TFLOP/s is ~40 % of an H100's dense bf16
+    peak); with ``checkpointing`` (full activation checkpointing, as ``memory_per_gpu``
+    assumes) 8 · params · tokens, because every block runs its forward twice (a little
+    less: torch's checkpoint skips each block's last matrix product, chapter 09), and TP
+    sends 11 collectives per layer instead of 8. The attention scores' own FLOPs are left
+    out: 12 · layers · hidden · seq per token next to 6 · params, a share that grows with seq.
+    Data-parallel traffic (DDP, FSDP, HSDP) overlaps with compute, so only what exceeds the
+    compute time is exposed; TP's collectives sit between the layers' matrix products and
+    are exposed in full (in eager PyTorch; async TP, which is not on by default, hides part of them).
     """
     g = gpus_per_node
-    compute = 6 * params * batch * seq / flops
+    compute = (8 if checkpointing else 6) * params * batch * seq / flops
     tokens = batch * seq * (g if layout == "tp+fsdp" else 1)
-    traffic = volume(layout, params=params, layers=layers, hidden=hidden, tokens=tokens, gpus_per_node=g, nodes=nodes)
+    traffic = volume(
+        layout,
+        params=params,
+        layers=layers,
+        hidden=hidden,
+        tokens=tokens,
+        gpus_per_node=g,
+        nodes=nodes,
+        recompute=checkpointing,
+    )
     if layout == "tp+fsdp":
         tp, data = traffic["inside"] / inside_bps, traffic["between"] / between_bps
     else:
@@ -300,8 +343,10 @@ def choose(
     """The chapter's decision rule, from its own formulas.
 
     Among the layouts that fit in ``gpu_memory`` bytes, the one with the shortest step
-    (``step_time``); on a tie the simpler one, in the order DDP, HSDP, FSDP, TP + FSDP. If
-    none fits, the model needs pipeline stages as well (chapter 06), or a smaller batch.
+    (``step_time`` with full activation checkpointing, as ``memory_per_gpu`` assumes); on a
+    tie the simpler one, in the order DDP, HSDP, FSDP, TP + FSDP. If none fits, ``layout``
+    is None and ``verdict`` says so: pipeline stages would not help, since with FSDP the
+    model states are already divided by the number of GPUs.
     """
     sizes = dict(
         params=params, layers=layers, hidden=hidden, seq=seq, batch=batch, gpus_per_node=gpus_per_node, nodes=nodes
@@ -315,12 +360,13 @@ def choose(
                 "layout": layout,
                 "memory": memory,
                 "fits": memory <= gpu_memory,
-                **step_time(layout, **sizes),
+                **step_time(layout, checkpointing=True, **sizes),
                 "order": rank_,
             }
         )
     fitting = [r for r in rows if r["fits"]]
     if not fitting:
-        return {"layout": "tp+fsdp+pipeline", "rows": rows}
+        verdict = tr("does not fit: more GPUs, CPU offload or smaller optimizer states")
+        return {"layout": None, "verdict": verdict, "rows": rows}
     best = min(fitting, key=lambda r: (round(r["total"], 3), r["order"]))
-    return {"layout": best["layout"], "rows": rows}
+    return {"layout": best["layout"], "verdict": best["layout"], "rows": rows}

@@ -8,7 +8,11 @@
    outputs and gradients checked against the unsharded layers;
 3. ``tp_plan`` and ``tp_train`` (rank function): the same idea for a whole GPT through
    ``parallelize_module``, optionally with sequence parallelism and loss parallelism,
-   trained a few AdamW steps and compared with ``reference_train`` in one process.
+   trained a few AdamW steps and compared with ``reference_train`` in one process
+   (``tp_variants``: the three variants in one launch);
+4. ``context_parallel_defaults`` and ``context_parallel_attention`` (rank function, GPUs
+   only): how PyTorch's context parallelism moves keys and values, and a causal attention
+   split along the sequence, forward and backward, against full attention.
 
 Rank functions live here, not in the notebook, because rank processes import them by name.
 """
@@ -22,16 +26,20 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
+from .common import numerics
 from .common.memory import saved_bytes
 from .common.models import gpt
 from .common.sharded import count_collectives, full
 from .runtime.hardware import rank_device
 
-# What each change of placement costs: the collective DTensor issues (gloo has no all-to-all,
-# so Shard(0) -> Shard(1) becomes an all-gather followed by a local chunk).
+# What each change of placement costs: the collective DTensor issues. On a CPU mesh DTensor does
+# not use all-to-all (``shard_dim_alltoall`` in torch/distributed/tensor/_collective_utils.py
+# checks ``mesh.device_type == "cpu"``): Shard(0) -> Shard(1) becomes an all-gather followed by a
+# local slice, although gloo itself implements all-to-all.
 REDISTRIBUTE_COLLECTIVE = {
     ("Shard(0)", "Replicate()"): "all-gather",
     ("Partial()", "Replicate()"): "all-reduce",
+    ('Partial("max")', "Replicate()"): "all-reduce",  # the same collective with another reduce op
     ("Partial()", "Shard(0)"): "reduce-scatter",
     ("Replicate()", "Shard(0)"): None,  # every rank already has the data: it keeps its chunk
     ("Shard(0)", "Shard(1)"): "all-to-all",
@@ -53,14 +61,38 @@ def _mesh(shape=None, names=None):
 def _placement(name: str):
     from torch.distributed.tensor import Partial, Replicate, Shard
 
-    return {"Shard(0)": Shard(0), "Shard(1)": Shard(1), "Replicate()": Replicate(), "Partial()": Partial()}[name]
+    return {
+        "Shard(0)": Shard(0),
+        "Shard(1)": Shard(1),
+        "Replicate()": Replicate(),
+        "Partial()": Partial(),  # reduce_op="sum", the default
+        'Partial("max")': Partial("max"),
+    }[name]
+
+
+def _partial_piece(full: torch.Tensor, source: str, rank: int, world: int) -> torch.Tensor:
+    """This rank's piece of a ``Partial`` tensor whose reduction over the ranks is ``full``."""
+    if source == 'Partial("max")':
+        return full - rank  # rank 0 holds the largest values
+    return full / world  # the pieces sum to the full tensor
+
+
+def _all_to_all_columns(local: torch.Tensor, world: int) -> torch.Tensor:
+    """Shard(0) -> Shard(1) with the backend's own all-to-all: column block j goes to rank j."""
+    send = torch.cat([c.contiguous() for c in local.chunk(world, dim=1)])
+    received = torch.empty_like(send)
+    dist.all_to_all_single(received, send)  # rank i's rows of this rank's columns, in rank order
+    return received
 
 
 def redistribute_costs(pairs: list | None = None, rows: int = 4, cols: int = 6) -> list[dict]:
     """Rank function: each change of placement in ``pairs`` (default: ``REDISTRIBUTE_COLLECTIVE``), counted.
 
     A ``Partial()`` tensor is made from local pieces that *sum* to the full tensor (each rank
-    holds full / world_size), as a row-parallel layer's outputs do before their all-reduce.
+    holds full / world_size), as a row-parallel layer's outputs do before their all-reduce;
+    a ``Partial("max")`` one from pieces whose element-wise maximum is the full tensor. For
+    Shard(0) -> Shard(1), "backend all-to-all" says whether ``dist.all_to_all_single`` of the
+    process group (gloo on CPUs) gives each rank the same piece as DTensor did.
     """
     from torch.distributed.tensor import DTensor, distribute_tensor
     from torch.distributed.tensor.debug import CommDebugMode
@@ -71,8 +103,9 @@ def redistribute_costs(pairs: list | None = None, rows: int = 4, cols: int = 6) 
     report = []
     for source, target in pairs or REDISTRIBUTE_COLLECTIVE:
         expected = REDISTRIBUTE_COLLECTIVE.get((source, target))
-        if source == "Partial()":
-            tensor = DTensor.from_local(full / world, mesh, [_placement(source)], run_check=False)
+        if source.startswith("Partial"):
+            piece = _partial_piece(full, source, dist.get_rank(), world)
+            tensor = DTensor.from_local(piece, mesh, [_placement(source)], run_check=False)
         else:
             tensor = distribute_tensor(full, mesh, [_placement(source)])
         with CommDebugMode() as comm:
@@ -87,6 +120,9 @@ def redistribute_costs(pairs: list | None = None, rows: int = 4, cols: int = 6) 
                 "local shape after": tuple(moved.to_local().shape),
                 # moving data is exact, and so is summing whole numbers split over 2 or 4 ranks
                 "same values": torch.equal(moved.full_tensor(), full),
+                "backend all-to-all": torch.equal(_all_to_all_columns(tensor.to_local(), world), moved.to_local())
+                if (source, target) == ("Shard(0)", "Shard(1)")
+                else None,
             }
         )
     return report
@@ -299,16 +335,18 @@ def tp_train(sequence_parallel: bool = False, loss_parallel: bool = False, steps
     parallelize_module(model, _mesh(), tp_plan(model, sequence_parallel, loss_parallel))
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
     losses, comms, kept = [], {}, None
+    parallel_loss = loss_parallel_context if loss_parallel else nullcontext
     for step in range(steps):
         inputs, targets = (t.to(device) for t in tokens(step))
-        with CommDebugMode() as forward:
+        counting = CommDebugMode if step == 0 else nullcontext  # count the first step only: the mode is slow
+        with counting() as forward:
             if step == 0:
                 kept, logits = saved_bytes(lambda: model(inputs), list(model.parameters()))
             else:
                 logits = model(inputs)
-            with loss_parallel_context() if loss_parallel else nullcontext():
+            with parallel_loss():
                 loss = lm_loss(logits, targets)
-        with CommDebugMode() as backward, loss_parallel_context() if loss_parallel else nullcontext():
+        with counting() as backward, parallel_loss():
             optimizer.zero_grad()
             loss.backward()
         optimizer.step()
@@ -319,18 +357,52 @@ def tp_train(sequence_parallel: bool = False, loss_parallel: bool = False, steps
     return {"losses": losses, "params": params, "collectives": comms, "activation bytes": kept}
 
 
+TP_VARIANTS = {
+    "TP": {},
+    "TP + SP": {"sequence_parallel": True},
+    "TP + SP + loss parallel": {"sequence_parallel": True, "loss_parallel": True},
+}
+
+
+def tp_variants(steps: int = 3) -> dict:
+    """Rank function: ``tp_train`` for each of ``TP_VARIANTS`` in turn, in one process group
+    (one launch instead of three: starting ranks costs more than training this model)."""
+    return {name: tp_train(steps=steps, **options) for name, options in TP_VARIANTS.items()}
+
+
 # --------------------------------------------------------------------------------------
 # 4. Context parallelism (GPUs only)
 # --------------------------------------------------------------------------------------
 
 
-def context_parallel_attention(seq: int = 4096, heads: int = 8, head_dim: int = 64) -> dict:
-    """Rank function, GPUs only: causal attention with the sequence split over the ranks.
+def context_parallel_defaults() -> dict:
+    """How ``context_parallel`` moves keys and values unless told otherwise (torch's own settings).
 
-    ``context_parallel`` shards q, k and v along the sequence (in place, restored on exit)
-    and runs ring attention: each rank keeps its queries and passes key/value blocks around
-    the ring. Compared with full attention computed on every rank. There is no CPU version:
-    its sharding rules exist only for the CUDA flash and memory-efficient attention kernels.
+    "rotate method": "allgather" (each rank all-gathers K and V once, after its first block)
+    or "alltoall" (K/V blocks passed to the next rank, ring attention proper), chosen with
+    ``set_rotate_method``; "load balancing": causal attention's sequence dealt out head and
+    tail (rank r gets chunks r and 2t-1-r), so early and late tokens, cheap and expensive
+    rows of the causal mask, are shared evenly. Read from
+    ``torch/distributed/tensor/experimental/_context_parallel/_attention.py``.
+    """
+    from torch.distributed.tensor.experimental._attention import _cp_options, _RotateMethod
+
+    methods = {_RotateMethod.ALL_GATHER: "allgather", _RotateMethod.ALL_TO_ALL: "alltoall"}
+    return {"rotate method": methods[_cp_options.rotate_method], "load balancing": _cp_options.enable_load_balance}
+
+
+def context_parallel_attention(seq: int = 4096, heads: int = 8, head_dim: int = 64) -> dict:
+    """Rank function, GPUs only: causal attention with the sequence split over the ranks, forward and backward.
+
+    ``context_parallel`` shards q, k, v and the output gradient along the sequence (in place,
+    restored on exit; load-balanced, see ``context_parallel_defaults``). Each rank keeps its
+    queries and gets the keys and values it needs by the default rotate method; backward
+    passes the key/value gradients on with an all-to-all. The outputs and the gradients of q,
+    k and v are gathered back (``context_parallel_unshard`` also undoes the load balancing)
+    and compared with full attention computed on every rank: "gaps" are relative gaps
+    (``common.numerics.relative_gap``; the tensors are too large to send back). There is no
+    CPU version: its sharding rules exist only for the CUDA flash and memory-efficient
+    attention kernels.
     """
     from torch.distributed.tensor.experimental import context_parallel
     from torch.distributed.tensor.experimental._attention import context_parallel_unshard
@@ -340,15 +412,22 @@ def context_parallel_attention(seq: int = 4096, heads: int = 8, head_dim: int = 
     if device.type != "cuda":
         raise RuntimeError("context parallelism needs CUDA attention kernels; this rank runs on the CPU")
     mesh = _mesh()
-    generator = torch.Generator(device=device).manual_seed(0)  # the same q, k, v on every rank
-    q, k, v = (
-        torch.randn(2, heads, seq, head_dim, device=device, dtype=torch.bfloat16, generator=generator) for _ in range(3)
+    generator = torch.Generator(device=device).manual_seed(0)  # the same q, k, v and dout on every rank
+    q, k, v, dout = (
+        torch.randn(2, heads, seq, head_dim, device=device, dtype=torch.bfloat16, generator=generator) for _ in range(4)
     )
     with sdpa_kernel([SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION]):
-        full = F.scaled_dot_product_attention(q, k, v, is_causal=True)
-        cq, ck, cv = (t.clone() for t in (q, k, v))
-        with context_parallel(mesh, buffers=[cq, ck, cv], buffer_seq_dims=[2, 2, 2]):
-            local = cq.shape[2]
-            out = F.scaled_dot_product_attention(cq, ck, cv, is_causal=True)
-            (out,) = context_parallel_unshard(mesh, [out], [2])
-    return {"sequence": seq, "local sequence": local, "gap": (out.float() - full.float()).abs().max().item()}
+        leaves = [t.clone().requires_grad_() for t in (q, k, v)]
+        full_out = F.scaled_dot_product_attention(*leaves, is_causal=True)
+        full_out.backward(dout)
+        buffers = [t.clone() for t in (q, k, v, dout)]
+        with context_parallel(mesh, buffers=buffers, buffer_seq_dims=[2, 2, 2, 2]):
+            local = buffers[0].shape[2]
+            mine = [t.detach().requires_grad_() for t in buffers[:3]]  # this rank's shards as leaves
+            out = F.scaled_dot_product_attention(*mine, is_causal=True)
+            out.backward(buffers[3])
+            split = context_parallel_unshard(mesh, [out.detach()] + [t.grad for t in mine], [2, 2, 2, 2])
+    whole = [full_out.detach()] + [t.grad for t in leaves]
+    names = ("output", "dq", "dk", "dv")
+    gaps = {n: numerics.relative_gap(a.float(), b.float()) for n, a, b in zip(names, split, whole)}
+    return {"sequence": seq, "local sequence": local, "gaps": gaps}

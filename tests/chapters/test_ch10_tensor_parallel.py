@@ -15,10 +15,24 @@ from distcourse.exercises import ch10
 
 
 def test_redistributions_issue_the_expected_collective_and_keep_the_values():
-    for row in distcourse.launch(tp.redistribute_costs, world_size=2, quiet=True)[0]:
-        assert row["same values"]
+    rows = distcourse.launch(tp.redistribute_costs, world_size=2, quiet=True)[0]
+    assert {(row["from"], row["to"]) for row in rows} == set(tp.REDISTRIBUTE_COLLECTIVE)
+    for row in rows:
+        assert row["same values"]  # Partial("max") too: a sum of its pieces would not give the full tensor
         issued = next(iter(row["collectives"]), None)
-        assert issued == ("all-gather" if row["expected"] == "all-to-all" else row["expected"]), row  # gloo
+        assert issued == ("all-gather" if row["expected"] == "all-to-all" else row["expected"]), row  # a CPU mesh
+        # gloo has an all-to-all of its own (DTensor just does not use it on CPU meshes), and it agrees
+        assert row["backend all-to-all"] is (True if row["expected"] == "all-to-all" else None)
+
+
+def test_async_tensor_parallel_is_off_by_default():
+    import torch._inductor.config as inductor_config
+
+    assert inductor_config._micro_pipeline_tp is False  # the chapter says "not on by default"
+
+
+def test_context_parallel_defaults_are_all_gather_with_load_balancing():
+    assert tp.context_parallel_defaults() == {"rotate method": "allgather", "load balancing": True}
 
 
 @pytest.mark.numerics
@@ -61,16 +75,28 @@ def test_tensor_parallel_gpt_trains_like_one_process(sequence_parallel, loss_par
     assert r["activation bytes"] < tp.activation_bytes_one_process()
 
 
+@pytest.mark.numerics
+def test_tp_variants_in_one_launch_match_separate_runs():
+    together = distcourse.launch(tp.tp_variants, world_size=2, kwargs={"steps": 1}, quiet=True)[0]
+    assert list(together) == list(tp.TP_VARIANTS)
+    alone = distcourse.launch(tp.tp_train, world_size=2, kwargs={"steps": 1, **tp.TP_VARIANTS["TP + SP"]}, quiet=True)[
+        0
+    ]
+    assert together["TP + SP"]["collectives"] == alone["collectives"]
+    assert together["TP + SP"]["losses"] == alone["losses"]  # the same kernels on the same data: bitwise
+
+
 @pytest.mark.slow
 @pytest.mark.numerics
-@pytest.mark.parametrize("layout", meshes.LAYOUTS)
-def test_two_dimensional_layouts_train_like_one_process(layout):
+def test_two_dimensional_layouts_train_like_one_process():
     reference = meshes.reference(steps=2)
-    r = distcourse.launch(meshes.mesh_train, world_size=4, kwargs={"layout": layout, "steps": 2}, quiet=True)[0]
-    numerics.assert_close(r["losses"], reference["losses"], terms=tp.loss_terms(batch=meshes.GLOBAL_BATCH))
-    assert numerics.gap(r["params"], reference["params"]) < 1e-2  # less than one AdamW step (lr 1e-2)
-    dims = {dim for dim, _ in r["traffic"]}
-    assert dims == {"fsdp": {"dp"}, "tp+fsdp": {"dp", "tp"}, "hsdp": {"replicate", "shard"}}[layout]
+    runs = distcourse.launch(meshes.mesh_train_all, world_size=4, kwargs={"steps": 2}, quiet=True)[0]
+    assert list(runs) == list(meshes.LAYOUTS)
+    for layout, r in runs.items():
+        numerics.assert_close(r["losses"], reference["losses"], terms=tp.loss_terms(batch=meshes.GLOBAL_BATCH))
+        assert numerics.gap(r["params"], reference["params"]) < 1e-2  # less than one AdamW step (lr 1e-2)
+        dims = {dim for dim, _ in r["traffic"]}
+        assert dims == {"fsdp": {"dp"}, "tp+fsdp": {"dp", "tp"}, "hsdp": {"replicate", "shard"}}[layout]
 
 
 def test_a_layout_needs_an_even_number_of_ranks():
@@ -92,6 +118,27 @@ def test_volume_formulas():
         "inside": 8 * 2 * 0.5 * 16 * 8,
         "between": 750.0,
     }
+    # full activation checkpointing: 11 TP collectives per layer instead of 8; FSDP's traffic unchanged
+    recomputed = meshes.volume("tp+fsdp", **shape, gpus_per_node=2, nodes=2, recompute=True)
+    assert recomputed == {"inside": 11 * 2 * 0.5 * 16 * 8, "between": 750.0}
+    assert (meshes.tp_collectives_per_layer(), meshes.tp_collectives_per_layer(recompute=True)) == (8, 11)
+
+
+def test_step_time_with_checkpointing_recomputes_the_forward():
+    size = dict(params=70e9, layers=80, hidden=8192, seq=4096, batch=1, gpus_per_node=8, nodes=2)
+    plain, checkpointed = meshes.step_time("tp+fsdp", **size), meshes.step_time("tp+fsdp", **size, checkpointing=True)
+    assert checkpointed["compute"] == pytest.approx(plain["compute"] * 8 / 6)  # forward twice: 8 P T, not 6 P T
+    shape = dict(params=70e9, layers=80, hidden=8192, tokens=8 * 4096, gpus_per_node=8, nodes=2)
+    tp_seconds = meshes.volume("tp+fsdp", **shape)["inside"] / meshes.LINK_SPEEDS["nvlink"]
+    extra = checkpointed["communication"] - plain["communication"]
+    assert extra == pytest.approx(tp_seconds * 3 / 8)  # 11 TP collectives per layer instead of 8
+    fsdp = meshes.step_time("fsdp", **size)
+    assert fsdp == meshes.step_time("fsdp", **size, checkpointing=False)  # the default: what chapter 12 uses
+
+
+def test_links_are_named_in_the_readers_language():
+    assert list(meshes.links().values()) == list(meshes.LINK_SPEEDS.values())
+    assert all(isinstance(name, str) and name for name in meshes.links())
 
 
 def test_decision_rule_follows_memory_and_traffic():
@@ -112,7 +159,16 @@ def test_decision_rule_follows_memory_and_traffic():
     assert pick(6.7e9, 32, 4096, 32, 1) == "fsdp"
     assert pick(6.7e9, 32, 4096, 32, 4) == "hsdp"
     assert pick(70e9, 80, 8192, 64, 16) == "tp+fsdp"
-    assert pick(70e9, 80, 8192, 64, 1) == "tp+fsdp+pipeline"
+    assert pick(70e9, 80, 8192, 64, 1) is None  # 16 B x 70e9 = 1.12 TB of model states > 8 x 80 GB
+
+
+def test_decision_rule_says_when_nothing_fits():
+    size = dict(params=70e9, layers=80, hidden=8192, heads=64, seq=4096, batch=1, gpus_per_node=8, nodes=1)
+    choice = meshes.choose(**size, gpu_memory=80e9)
+    assert choice["layout"] is None and "does not fit" in choice["verdict"]
+    assert "pipeline" not in choice["verdict"]  # pipeline stages do not shrink sharded model states
+    assert not any(r["fits"] for r in choice["rows"])
+    assert meshes.choose(**size, gpu_memory=200e9)["layout"] == "fsdp"  # bigger GPUs: it fits again
 
 
 def test_context_parallel_refuses_the_cpu():

@@ -35,7 +35,7 @@ def check_collective_for(collective_for) -> bool:
             problems.append(tr("{call} raised {error}").format(call=call, error=repr(exc)))
             continue
         issued = next(iter(row["collectives"]), None)
-        # Shard -> another Shard is an all-to-all; gloo has none, so DTensor all-gathers instead
+        # Shard -> another Shard is an all-to-all; on a CPU mesh DTensor all-gathers and slices instead
         right = {issued} | (
             {"all-to-all"} if row["from"].startswith("Shard") and row["to"].startswith("Shard") else set()
         )
