@@ -9,7 +9,8 @@ One book per language, the way Sphinx projects publish translations: `_toc.yml` 
 every language as one part (chapters/<code>/...); each becomes a book of its own, built
 with Sphinx's `language` set to that language (the theme then labels its interface in it,
 `<html lang>` follows, the sidebar and the search index hold that language only), into
-_build/html/<code>/. _build/html/index.html lets the reader choose a language;
+_build/html/<code>/. _build/html/index.html, the front door, opens the book of the
+browser's language and lists them all;
 tools/course_book.py links each page to the same page in the other books. Parts that
 are not one language's (the glossary, the translation status) go into every book. A
 book whose `_toc.yml` has no language parts is built as one book, as before.
@@ -379,55 +380,61 @@ def search_page_catalog(interface: dict, locale: str, messages: Path) -> None:
     )
 
 
-PICKER = """<!DOCTYPE html>
-<html lang="en">
-<head>
-<meta charset="utf-8">
-<meta name="viewport" content="width=device-width, initial-scale=1">
-<title>{title}</title>
-<style>
-body {{ font-family: system-ui, sans-serif; max-width: 40rem; margin: 4rem auto; padding: 0 1rem; }}
-ul {{ list-style: none; padding: 0; }}
-li {{ margin: 0.8rem 0; font-size: 1.25rem; }}
-a {{ text-decoration: none; }}
-small {{ display: block; color: #555; font-size: 0.9rem; }}
-</style>
-</head>
-<body>
-<h1>{title}</h1>
-<ul class="course-language-picker">
-{items}
-</ul>
-</body>
-</html>
-"""
+FRONT_DOOR = Path("tools") / "book_templates" / "front-door.html"
 
 
-def write_language_picker(root: Path, html: Path, books: list[LanguageBook]) -> None:
-    """_build/html/index.html: one link per language, each named in its own language."""
+def write_front_door(root: Path, html: Path, books: list[LanguageBook]) -> None:
+    """_build/html/index.html: the course's front door, in the theme's look.
+
+    One entry per book: the language's name for itself, the book's title and one sentence on
+    what the course is, each in that language (tools/book_interface.yml: front_door). Its
+    script opens the book of the browser's language on a first visit; the template says when
+    it does not.
+    """
+    import jinja2
+
     sys.path.insert(0, str(root / "code"))
     from distcourse.runtime import languages
 
-    items = []
+    interface = yaml.safe_load((root / INTERFACE).read_text(encoding="utf8"))
+    words = interface["front_door"]
+    entries = []
     for book in books:
         lang = languages.get(book.code)
-        title = yaml.safe_load(book.config.read_text(encoding="utf8")).get("title", "")
-        items.append(
-            f'<li lang="{lang.html}"><a href="{book.code}/index.html" hreflang="{lang.html}">{lang.name}</a>'
-            f"<small>{title}</small></li>"
+        entries.append(
+            {
+                "code": book.code,
+                "name": lang.name,
+                "html": lang.html,
+                "href": f"{book.code}/index.html",
+                "title": yaml.safe_load(book.config.read_text(encoding="utf8")).get("title", ""),
+                "sentence": words["sentence"].get(lang.sphinx, ""),
+                "choose": words["choose"].get(lang.sphinx, ""),
+            }
         )
-    english = yaml.safe_load((root / "_config.yml").read_text(encoding="utf8")).get("title", "")
-    (html / "index.html").write_text(PICKER.format(title=english, items="\n".join(items)), encoding="utf8")
+    english = next((b for b in books if b.code == languages.ENGLISH.code), books[0])
+    template = jinja2.Environment(autoescape=True, keep_trailing_newline=True).from_string(
+        (root / FRONT_DOOR).read_text(encoding="utf8")
+    )
+    page = template.render(
+        title=yaml.safe_load((root / "_config.yml").read_text(encoding="utf8")).get("title", ""),
+        description=next((e["sentence"] for e in entries if e["code"] == english.code), ""),
+        books=entries,
+        hrefs={entry["code"]: entry["href"] for entry in entries},
+        # The theme's style sheets, from a book that ships them (no copy, no network).
+        static=f"{english.code}/_static",
+    )
+    (html / "index.html").write_text(page, encoding="utf8")
 
 
 def publish(books: list[LanguageBook], html: Path, root: Path) -> None:
-    """Copy each language's HTML to html/<code>/ and write the picker at html/index.html."""
+    """Copy each language's HTML to html/<code>/ and write the front door at html/index.html."""
     html.mkdir(parents=True, exist_ok=True)
     for book in books:
         target = html / book.code
         shutil.rmtree(target, ignore_errors=True)
         shutil.copytree(book.html, target)
-    write_language_picker(root, html, books)
+    write_front_door(root, html, books)
 
 
 def build_languages(root: Path, out: Path, execute: bool, extra: list) -> int | None:

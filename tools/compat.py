@@ -394,7 +394,7 @@ def load_records(folder: Path = COMPAT_DIR) -> list[dict]:
 
 
 # ------------------------------------------------------------------ the page
-TITLE = "# Tested with · Проверенные версии · 已测试的版本 · 已測試的版本 · Versões testadas · 테스트된 버전"
+TITLE = "# Tested with"  # each language book shows its own (tools/book_interface.yml: page_titles)
 SUMMARY = {
     "Русский": "Курс поддерживает torch от {lo} до {hi}; таблица показывает, какие главы выполняются с каждой версией.",
     "简体中文": "本课程支持 torch {lo} 至 {hi}；下表列出各章在每个版本下能否运行。",

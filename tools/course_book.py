@@ -8,6 +8,10 @@ Loaded through ``sphinx.local_extensions`` in ``_config.yml``.
   notice is decided when the page is built, not when it was translated).
 * ``{translation-status}`` renders the chapter x language table (current / behind / missing).
 * ``{course-glossary}`` renders ``assets/glossary.yml`` as a table.
+* The pages every language book shares (the glossary, the translation status, tested-with)
+  carry that book's own title (``tools/book_interface.yml``: ``page_titles``); each book is
+  tagged ``book_<locale>`` so that their ``{only}`` blocks show the book's language only, and
+  the status table speaks it (``translation_status``).
 * Chapter pages carry their own language in ``<html lang>`` (from the registry of languages).
 * Built as one book per language (``tools/build_book.py`` sets ``course_book_language``):
   a language switcher in the sidebar leads to the same page in the other books; links to
@@ -171,6 +175,33 @@ def header_lines_give_way(app, doctree) -> None:
             paragraph.parent.remove(paragraph)
 
 
+INTERFACE = ROOT / "tools" / "book_interface.yml"
+FIRST_HEADING = re.compile(r"^# .*$", re.M)
+
+
+def interface() -> dict:
+    """tools/book_interface.yml: the book's interface strings per language."""
+    return yaml.safe_load(INTERFACE.read_text(encoding="utf8"))
+
+
+def shared_page_title(app, docname, source) -> None:
+    """A shared page (glossary, translation status, tested-with) titled in its book's language.
+
+    The pages are one source in every book; their first heading is replaced by the title that
+    tools/book_interface.yml (page_titles) gives the book's language, so that the sidebar, the
+    heading and the browser tab of the Korean book say 용어집, those of the Russian one Глоссарий.
+    """
+    if not app.config.course_book_language:
+        return
+    titles = interface()["page_titles"].get(docname)
+    if not titles:
+        return
+    app.env.note_dependency(str(INTERFACE))
+    title = titles.get(app.config.language)
+    if title:
+        source[0] = FIRST_HEADING.sub(lambda _: f"# {title}", source[0], count=1)
+
+
 def language_switcher(app, pagename, templatename, context, doctree) -> None:
     """``course_languages`` for tools/book_templates/language-switcher.html."""
     book = app.config.course_book_language
@@ -185,6 +216,11 @@ def language_switcher(app, pagename, templatename, context, doctree) -> None:
     context["course_languages_label"] = languages.get(book).other_languages
 
 
+def tag_book_language(app, config) -> None:
+    """Tag ``book_<locale>`` (book_en, book_zh_TW...): ``{only}`` blocks of the shared pages pick it."""
+    app.tags.add(f"book_{config.language or 'en'}")
+
+
 def add_language_switcher(app, config) -> None:
     """The switcher in the sidebar, and the interface strings the themes leave in English.
 
@@ -194,8 +230,7 @@ def add_language_switcher(app, config) -> None:
     if not config.course_book_language:
         return
     config.templates_path.insert(0, str(TEMPLATES))
-    interface = yaml.safe_load((ROOT / "tools" / "book_interface.yml").read_text(encoding="utf8"))
-    search = interface["search_bar_text"].get(config.language)
+    search = interface()["search_bar_text"].get(config.language)
     if search:
         config.html_theme_options = {**config.html_theme_options, "search_bar_text": search}
     for folder in config.locale_dirs:  # compiled by tools/build_book.py; "sphinx" is read by Sphinx itself
@@ -205,31 +240,35 @@ def add_language_switcher(app, config) -> None:
 
 
 class TranslationStatus(SphinxDirective):
-    """The chapter x language table, computed from the notebooks at build time."""
+    """The chapter x language table, computed from the notebooks at build time.
+
+    Its words are the book's language's (tools/book_interface.yml: translation_status).
+    """
 
     def run(self):
         for path in (ROOT / "chapters").glob("*/[0-9][0-9]-*.ipynb"):
             self.env.note_dependency(str(path))
+        self.env.note_dependency(str(INTERFACE))
+        words = {
+            key: texts.get(self.config.language, texts["en"])
+            for key, texts in interface()["translation_status"].items()
+        }
         rows = translations.status(ROOT)
         translated = languages.TRANSLATED
-        marks = {"current": "✅ current", "behind": "⚠️ behind", "missing": "❌ missing"}
+        states = ("current", "behind", "missing")
         lines = [
-            "| chapter | " + " | ".join(lang.name for lang in translated) + " |",
+            f"| {words['chapter']} | " + " | ".join(lang.name for lang in translated) + " |",
             "|---|" + "---|" * len(translated),
         ]
         for english_path in translations.english_chapters(ROOT):
             cells = []
             for lang in (lang.code for lang in translated):
                 row = next(r for r in rows if r["chapter"] == english_path.stem and r["language"] == lang)
-                mark = marks[row["state"]] + (" (code differs)" if row["code"] else "")
+                mark = words[row["state"]] + (words["code_differs"] if row["code"] else "")
                 cells.append(mark if row["state"] == "missing" else f"[{mark}](chapters/{lang}/{english_path.name})")
             lines.append(f"| [{english_path.stem}](chapters/en/{english_path.name}) | " + " | ".join(cells) + " |")
-        counts = {state: sum(r["state"] == state for r in rows) for state in marks}
-        lines += [
-            "",
-            f"{counts['current']} current, {counts['behind']} behind, {counts['missing']} missing "
-            f"({len(rows)} chapter translations).",
-        ]
+        counts = {state: sum(r["state"] == state for r in rows) for state in states}
+        lines += ["", words["summary"].format(**counts, total=len(rows))]
         container = nodes.container(classes=["translation-status"])
         self.state.nested_parse(StringList(lines, source="translation-status"), self.content_offset, container)
         return [container]
@@ -308,6 +347,8 @@ def setup(app):
     # Set by tools/build_book.py in each language's book; None: one book with every language.
     app.add_config_value("course_book_language", None, "html")
     app.connect("config-inited", add_language_switcher)
+    app.connect("config-inited", tag_book_language)
+    app.connect("source-read", shared_page_title)
     app.connect("doctree-read", header_lines_give_way)
     app.connect("html-page-context", language_switcher)
     app.add_post_transform(CrossBookLinks)

@@ -48,18 +48,27 @@ def mtime(path: Path):
     return path.stat().st_mtime_ns if path.exists() else None
 
 
+_WHOLE_BOOK = []  # built once per test session, for this module and tests/book/test_front_door.py
+
+
+def whole_book(tmp_path_factory):
+    """The whole book (six languages) built without execution; (html folder, build output, seconds)."""
+    if not _WHOLE_BOOK:
+        tmp_path = tmp_path_factory.mktemp("book")
+        # The main build's output and cache must survive a test build.
+        main_build = [REPO_ROOT / "_build/html/index.html", REPO_ROOT / "_build/.jupyter_cache"]
+        before = [mtime(p) for p in main_build]
+        stdout, seconds = build_book("--no-execute", "--output", tmp_path)
+        assert [mtime(p) for p in main_build] == before
+        # Execution off means the execution cache is never even opened.
+        assert not (tmp_path / "_build" / ".jupyter_cache").exists()
+        _WHOLE_BOOK.append((tmp_path / "_build" / "html", stdout, seconds))
+    return _WHOLE_BOOK[0]
+
+
 @pytest.fixture(scope="module")
 def book(tmp_path_factory):
-    """The whole book (six languages) built without execution; (html folder, build output, seconds)."""
-    tmp_path = tmp_path_factory.mktemp("book")
-    # The main build's output and cache must survive a test build.
-    main_build = [REPO_ROOT / "_build/html/index.html", REPO_ROOT / "_build/.jupyter_cache"]
-    before = [mtime(p) for p in main_build]
-    stdout, seconds = build_book("--no-execute", "--output", tmp_path)
-    assert [mtime(p) for p in main_build] == before
-    # Execution off means the execution cache is never even opened.
-    assert not (tmp_path / "_build" / ".jupyter_cache").exists()
-    return tmp_path / "_build" / "html", stdout, seconds
+    return whole_book(tmp_path_factory)
 
 
 def page_of(html: Path, notebook: Path) -> Path:
