@@ -36,6 +36,7 @@ from .common.datasets import digits_batch
 from .common.models import mlp
 from .common.training import global_mean, wrap_ddp
 from .runtime.hardware import rank_device
+from .runtime.i18n import tr
 
 
 def _first_line(error: BaseException) -> str:
@@ -131,13 +132,15 @@ def flight_recorder(skip: int | list = 1, steps: int = 3, after: float = 0.5, du
     """Rank function: ``steps`` all-reduces on every rank, then one more that the rank(s) ``skip`` never join.
 
     PyTorch's flight recorder records each collective (sequence number, operation, sizes,
-    state, Python stack) in a ring buffer, one per process. In torch 2.13 it is on by default
-    with 2000 entries (``FlightRecorder.hpp``); ``TORCH_FR_BUFFER_SIZE`` changes the size (0
-    turns it off), read once, when the process creates the recorder with its first process
-    group: set it in the ranks' environment at launch (``launch(..., env=...)``), not in a
-    rank. NCCL dumps the buffer by itself on a timeout; gloo does not, so a watchdog thread
-    here dumps it after ``after`` seconds, as JSON (returned) and, if ``dump_dir`` is given,
-    as the pickle file PyTorch's analyzer reads (``<dump_dir>/rank_<r>``).
+    state, Python stack) in a ring buffer, one per process. It is on by default; its size
+    comes from ``TORCH_FR_BUFFER_SIZE`` (0 turns it off; the default is in
+    ``torch/csrc/distributed/c10d/FlightRecorder.hpp``), read once, when the process creates
+    the recorder with its first process group: set it in the ranks' environment at launch
+    (``launch(..., env=...)``), not in a rank. ``"recorder variables"`` in the result says
+    which of its variables this rank had. NCCL dumps the buffer by itself on a timeout; gloo
+    does not, so a watchdog thread here dumps it after ``after`` seconds, as JSON (returned)
+    and, if ``dump_dir`` is given, as the pickle file PyTorch's analyzer reads
+    (``<dump_dir>/rank_<r>``).
     """
     group = _gloo_group(after * 2)
     dumped = {}
@@ -167,9 +170,17 @@ def flight_recorder(skip: int | list = 1, steps: int = 3, after: float = 0.5, du
             "state": e["state"],
             "group": e["process_group"][0],
         }
-        for e in dumped["json"]["entries"]
+        for e in dumped["json"].get("entries", [])  # none at all when the recorder is off
     ]
-    return {"rank": dist.get_rank(), "entries": entries}
+    return {"rank": dist.get_rank(), "entries": entries, "recorder variables": recorder_variables()}
+
+
+RECORDER_VARIABLES = ("TORCH_FR_BUFFER_SIZE", "TORCH_NCCL_TRACE_BUFFER_SIZE")  # the second: its older name
+
+
+def recorder_variables() -> dict:
+    """The variables that size the flight recorder, as this process has them (empty: the default)."""
+    return {name: os.environ[name] for name in RECORDER_VARIABLES if name in os.environ}
 
 
 def behind(records: list[dict]) -> dict:
@@ -179,6 +190,7 @@ def behind(records: list[dict]) -> dict:
     number must be the same operation with the same sizes on every rank. A rank whose last
     number is lower than the others' never called what they are waiting in; a mismatch at
     the same number means the ranks called different collectives (a desync).
+    The keys are for code; ``describe_behind`` says the same in the reader's language.
     """
     last = {}
     for record in records:
@@ -200,6 +212,22 @@ def behind(records: list[dict]) -> dict:
     return report
 
 
+def describe_behind(report: dict) -> str:
+    """``behind``'s report as sentences, one per process group, in the reader's language."""
+    lines = []
+    for group, r in report.items():
+        last = ", ".join(f"{rank} → #{seq}" for rank, seq in r["last seq per rank"].items())
+        if r["behind"]:
+            text = tr(
+                "Process group {group}, last collective per rank: {last}. Behind: rank(s) {behind}; "
+                "the others wait in {op}."
+            )
+        else:
+            text = tr("Process group {group}, last collective per rank: {last}. No rank is behind.")
+        lines.append(text.format(group=group, last=last, behind=", ".join(map(str, r["behind"])), op=r["waiting in"]))
+    return "\n".join(lines)
+
+
 def run_torch_analyzer(dump_dir: str, timeout: float = 60.0) -> subprocess.CompletedProcess:
     """PyTorch's own analyzer, ``python -m torch.distributed.flight_recorder.fr_trace``, on the dumps."""
     command = [sys.executable, "-m", "torch.distributed.flight_recorder.fr_trace", dump_dir, "-p", "rank_"]
@@ -217,14 +245,20 @@ def read_dump(path: str) -> dict:
 # --------------------------------------------------------------------------------------
 
 
-def nan_stop(bad_rank: int = 1, bad_step: int = 2, agree: bool = True, steps: int = 5, timeout: float = 1.0) -> dict:
+def nan_stop(bad_rank: int = 1, bad_step: int = 2, agree: bool = True, steps: int = 5, timeout: float = 5.0) -> dict:
     """Rank function: DDP training where rank ``bad_rank``'s loss becomes NaN at ``bad_step``.
 
-    agree=False: the rank that sees the NaN raises alone; the others enter the next step's
-        gradient all-reduce and wait for it until the collective timeout.
+    agree=False: the rank that sees the NaN stops alone; the others enter the next step's
+        gradient all-reduce and wait for it, until the collective timeout or until its
+        connections close (gloo, when that rank's process ends).
     agree=True: every rank all-reduces a "finite?" flag (one number, MIN) before backward,
         so all of them see the NaN in the same step and stop there together, cleanly.
-    Returns the step at which this rank stopped and why.
+    Returns the step at which this rank stopped, why in a word for code ("agreed": a rank
+    reported a non-finite loss; "alone": this rank's loss is not finite; "error": a
+    collective failed; "finished") and why in a sentence for the reader (for "error": the
+    error's first line, as PyTorch wrote it). ``timeout`` bounds each collective: long
+    enough that a busy machine's delays in the first steps do not end the demo early, and
+    not waited for in full here, since the rank that stops alone closes its connections.
     """
     device = rank_device()
     group = _gloo_group(timeout)
@@ -240,15 +274,15 @@ def nan_stop(bad_rank: int = 1, bad_step: int = 2, agree: bool = True, steps: in
                 finite = torch.tensor([float(torch.isfinite(loss).item())])
                 dist.all_reduce(finite, op=dist.ReduceOp.MIN, group=group)  # 0 if any rank saw NaN or inf
                 if finite.item() == 0:
-                    return {"stopped at": step, "why": "a rank reported a non-finite loss"}
+                    return {"stopped at": step, "reason": "agreed", "why": tr("a rank reported a non-finite loss")}
             elif not torch.isfinite(loss):
-                return {"stopped at": step, "why": "this rank's loss is not finite"}
+                return {"stopped at": step, "reason": "alone", "why": tr("this rank's loss is not finite")}
             optimizer.zero_grad()
             loss.backward()
             optimizer.step()
         except RuntimeError as error:
-            return {"stopped at": step, "why": _first_line(error)}
-    return {"stopped at": None, "why": "finished"}
+            return {"stopped at": step, "reason": "error", "why": _first_line(error)}
+    return {"stopped at": None, "reason": "finished", "why": tr("finished")}
 
 
 # --------------------------------------------------------------------------------------

@@ -45,7 +45,34 @@ def test_flight_recorder_finds_the_rank_behind(tmp_path):
 
 def test_behind_is_empty_when_ranks_agree():
     entries = [{"seq": 1, "op": "gloo:all_reduce", "sizes": [[4]], "state": "scheduled", "group": "0"}]
-    assert debugging.behind([{"rank": 0, "entries": entries}, {"rank": 1, "entries": entries}])["0"]["behind"] == []
+    report = debugging.behind([{"rank": 0, "entries": entries}, {"rank": 1, "entries": entries}])
+    assert report["0"]["behind"] == []
+    assert (
+        debugging.describe_behind(report)
+        == "Process group 0, last collective per rank: 0 → #1, 1 → #1. No rank is behind."
+    )
+
+
+def test_describe_behind_says_who_and_where():
+    report = {"1": {"last seq per rank": {0: 4, 1: 3}, "behind": [1], "waiting in": "gloo:all_reduce [[5]]"}}
+    assert debugging.describe_behind(report) == (
+        "Process group 1, last collective per rank: 0 → #4, 1 → #3. Behind: rank(s) 1; "
+        "the others wait in gloo:all_reduce [[5]]."
+    )
+
+
+@pytest.mark.parametrize(("size", "kept"), [(None, [4, 3]), ("2", [2, 2]), ("0", [0, 0])])
+def test_the_recorder_is_on_by_default_and_sized_by_the_ranks_environment(size, kept):
+    """No variable: every collective recorded; TORCH_FR_BUFFER_SIZE, read when the ranks create their
+    first process group, keeps the last N (0: none). The chapter states both with a source link."""
+    env = dict.fromkeys(debugging.RECORDER_VARIABLES) | {"TORCH_FR_BUFFER_SIZE": size}
+    records = distcourse.launch(
+        debugging.flight_recorder, world_size=2, kwargs={"skip": 1}, backend="gloo", env=env, quiet=True
+    )
+    assert [len(r["entries"]) for r in records] == kept
+    assert all(r["recorder variables"] == ({} if size is None else {"TORCH_FR_BUFFER_SIZE": size}) for r in records)
+    if size == "2":  # the ring keeps the newest
+        assert [e["seq"] for e in records[0]["entries"]] == [3, 4]
 
 
 @pytest.mark.slow
@@ -67,6 +94,13 @@ def test_root_cause_parser_without_a_failure():
 def test_nan_agreement_stops_every_rank_at_the_same_step():
     together = distcourse.launch(debugging.nan_stop, world_size=2, kwargs={"agree": True, "bad_step": 1}, quiet=True)
     assert [r["stopped at"] for r in together] == [1, 1]
+    assert [r["reason"] for r in together] == ["agreed", "agreed"]
+    assert together[0]["why"] == "a rank reported a non-finite loss"  # the sentence, in the reader's language
+
+
+def test_nan_stop_finishes_without_a_nan():
+    clean = distcourse.launch(debugging.nan_stop, world_size=2, kwargs={"bad_step": 99, "steps": 2}, quiet=True)
+    assert [(r["stopped at"], r["reason"]) for r in clean] == [(None, "finished"), (None, "finished")]
 
 
 def test_checksum_finds_the_drifted_layer():
