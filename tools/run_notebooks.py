@@ -20,6 +20,7 @@ from __future__ import annotations
 import argparse
 import json
 import pathlib
+import re
 import subprocess
 import sys
 import time
@@ -33,10 +34,26 @@ ROOT = pathlib.Path(__file__).resolve().parents[1]
 CELL_TIMEOUT_S = 300
 
 
+ANSI = re.compile(r"\x1b\[[0-9;]*m")
+
+
 def _error_line(cell) -> str:
+    """The error, the cell's line that raised it (an empty ``AssertionError`` says nothing
+    without it) and what the cell printed last before it."""
+    printed = [o.get("text", "") for o in cell.get("outputs", []) if o.get("output_type") == "stream"]
+    last_printed = "".join(printed).strip().splitlines()[-3:]
     for output in cell.get("outputs", []):
         if output.get("output_type") == "error":
-            return f"{output.get('ename')}: {output.get('evalue', '')}".strip()[:300]
+            frames = [ANSI.sub("", frame) for frame in output.get("traceback", [])]
+            where = [
+                line.strip() for frame in frames for line in frame.splitlines() if line.lstrip().startswith("---->")
+            ]
+            text = f"{output.get('ename')}: {output.get('evalue', '')}".strip()[:300]
+            if where:
+                text += f"  at: {where[-1][:300]}"
+            if last_printed:
+                text += "  | printed: " + " / ".join(line[:200] for line in last_printed)
+            return text
     return ""
 
 
