@@ -149,7 +149,9 @@ def restore(state, model, optimizer, scheduler, forget=()):
     if "rng" not in forget:
         if state["world_size"] != dist.get_world_size():
             raise ValueError(
-                f"the checkpoint holds RNG states of {state['world_size']} ranks, this run has {dist.get_world_size()}"
+                tr("the checkpoint holds RNG states of {saved} ranks, this run has {now}").format(
+                    saved=state["world_size"], now=dist.get_world_size()
+                )
             )
         rng = state["rng"][dist.get_rank()]
     resumed = tr("resumed at step {step} (epoch {epoch}, batch {batch})").format(
@@ -223,7 +225,7 @@ def train(
 
 def _checked_directory(every: int, directory) -> pathlib.Path | None:
     if every and directory is None:
-        raise ValueError("every > 0 needs a directory to write the checkpoints to")
+        raise ValueError(tr("every > 0 needs a directory to write the checkpoints to"))
     return pathlib.Path(directory) if directory is not None else None
 
 
@@ -250,7 +252,7 @@ def train_run(data, directory, steps: int = 40, every: int = 5, crash_at=None, r
     """Rank function: one training run (uninterrupted, crashing, or resuming from the newest checkpoint)."""
     resume_from = latest_checkpoint(directory) if resume else None
     if resume and resume_from is None:
-        raise FileNotFoundError(f"resume=True but {directory} holds no checkpoint")
+        raise FileNotFoundError(tr("resume=True but {directory} holds no checkpoint").format(directory=directory))
     return train(data, steps, every=every, directory=directory, crash_at=crash_at, resume_from=resume_from)
 
 

@@ -24,7 +24,7 @@ import torch.distributed as dist
 from .common import numerics
 from .common.timing import best_of
 from .runtime.hardware import rank_device
-from .runtime.i18n import tr
+from .runtime.i18n import number, tr
 
 
 def _start(numel: int | None = None) -> torch.Tensor:
@@ -177,6 +177,16 @@ def reduce_scatter(output: torch.Tensor, inputs: list, native: bool = True) -> s
     dist.all_reduce(total)
     output.copy_(total[dist.get_rank()])
     return "all_reduce, then keep own chunk"
+
+
+def how_label(how: str) -> str:
+    """What a demo's ``"how"`` says, for the reader: API names as they are, the words translated."""
+    words = {
+        "native dist.reduce_scatter": tr("native dist.reduce_scatter"),
+        "all_reduce, then keep own chunk": tr("all_reduce, then keep own chunk"),
+        "SUM, then / world size": tr("SUM, then / world size"),
+    }
+    return words.get(how, how)
 
 
 def reduce_scatter_demo(native: bool = True) -> dict:
@@ -437,8 +447,12 @@ def _chunk_index(schedule, rank: int, step: int, n: int) -> int:
     except TypeError:
         index = None
     if isinstance(value, bool) or index is None or not 0 <= index < n:
-        name = getattr(schedule, "__name__", "the schedule")
-        raise ValueError(f"{name}(rank={rank}, step={step}, n={n}) returned {value!r}, not a chunk index 0..{n - 1}")
+        name = getattr(schedule, "__name__", "schedule")
+        raise ValueError(
+            tr("{call} returned {value}, not a chunk index 0..{last}").format(
+                call=f"{name}(rank={rank}, step={step}, n={n})", value=repr(value), last=n - 1
+            )
+        )
     return index
 
 
@@ -477,13 +491,15 @@ def ring_schedule(n: int) -> list:
 
 
 def _fmt(value) -> str:
-    """Numbers as short as they can be (60.0 -> 60); lists stay lists; None is a dash."""
+    """Numbers as short as they can be (60.0 -> 60), in the reader's decimal sign; lists stay lists
+    (items apart by "; " where a decimal comma would blur them); None is a dash."""
     if value is None:
         return "—"
     if isinstance(value, float):
-        return f"{value:g}"
+        return f"{value:g}".replace(".", number(0.5, 1)[1])  # "0.5" or "0,5": the reader's decimal sign
     if isinstance(value, (list, tuple)):
-        return "[" + ", ".join(_fmt(v) for v in value) + "]"
+        comma = any(isinstance(v, float) and "," in _fmt(v) for v in value)
+        return "[" + ("; " if comma else ", ").join(_fmt(v) for v in value) + "]"
     return str(value)
 
 

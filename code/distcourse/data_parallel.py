@@ -122,8 +122,10 @@ def data_parallel_step(model: nn.Module, x, y, devices, lr: float = 0.1, reduce=
     sizes = [len(chunk) for chunk in xs]
     if reduce is None and len(set(sizes)) > 1:
         raise ValueError(
-            f"chunks of unequal size {sizes}: their plain average is not the full-batch gradient; "
-            "pass reduce=fn(replicas, chunk_sizes) that weights them (exercise 1)"
+            tr(
+                "chunks of unequal size {sizes}: their plain average is not the full-batch gradient; "
+                "pass reduce=fn(replicas, chunk_sizes) that weights them (exercise 1)"
+            ).format(sizes=sizes)
         )
     replicas = replicate(model, devices)
     results = [forward_backward(r, xc, yc) for r, xc, yc in zip(replicas, xs, ys)]
@@ -247,12 +249,12 @@ def step_time_breakdown(
         model = mlp(width=width, depth=depth).to(devices[0])
         optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
         xd, yd = x.to(devices[0]), y.to(devices[0])
-        where = devices[0].type if k == 1 or devices[0].type == "cpu" else f"{k} GPUs"
+        where = devices[0].type if k == 1 or devices[0].type == "cpu" else tr("{k} GPUs").format(k=k)
         if k == 1:
-            label = f"plain step ({where})"
+            label = tr("plain step ({where})").format(where=where)
             runs[label] = devices, functools.partial(plain_step, model, optimizer, xd, yd)
         else:
-            label = f"DataParallel-style, {k} replicas ({where})"
+            label = tr("DataParallel-style, {k} replicas ({where})").format(k=k, where=where)
             runs[label] = devices, functools.partial(dataparallel_style_step, model, optimizer, xd, yd, devices)
     samples = {label: defaultdict(list) for label in runs}
     for i in range(3 + steps):  # 3 warm-up rounds: first calls allocate memory

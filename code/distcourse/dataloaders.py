@@ -17,6 +17,7 @@ import torch
 from torch.utils.data import DataLoader, Dataset, get_worker_info
 
 from .common.timing import clock
+from .runtime.i18n import tr
 
 
 class WhoLoadsMe(Dataset):
@@ -249,6 +250,12 @@ class RandomSources(Dataset):
         }
 
 
+def source_label(source: str) -> str:
+    """A random source as the chapter's tables name it: module names as they are, the rest translated."""
+    words = {"numpy global": tr("numpy global"), "numpy Generator in dataset": tr("numpy Generator in dataset")}
+    return words.get(source, source)
+
+
 def first_draw_per_worker(num_workers: int = 2) -> dict[str, list[int]]:
     """For each random source, the first number each worker drew."""
     loader = _loader(RandomSources(num_workers), batch_size=None, num_workers=num_workers)
@@ -371,13 +378,17 @@ def cifar10(root, train: bool = True, download: bool = False, transform=None):
     root = pathlib.Path(root).expanduser()
     folder = root / "cifar-10-batches-py"
     if root.exists() and not root.is_dir():
-        raise NotADirectoryError(f"CIFAR-10 root {root} is a file; give the folder that holds cifar-10-batches-py")
+        raise NotADirectoryError(
+            tr("CIFAR-10 root {root} is a file; give the folder that holds cifar-10-batches-py").format(root=root)
+        )
     if root.exists() and not os.access(root, os.R_OK | os.X_OK):
-        raise PermissionError(f"cannot read {root}: check its permissions")
+        raise PermissionError(tr("cannot read {root}: check its permissions").format(root=root))
     if not download and not folder.is_dir():
         raise FileNotFoundError(
-            f"CIFAR-10 is not in {root} (expected {folder}). Pass download=True to fetch it "
-            "(about 170 MB, needs internet), or point root at a folder that already has it."
+            tr(
+                "CIFAR-10 is not in {root} (expected {folder}). Pass download=True to fetch it "
+                "(about 170 MB, needs internet), or point root at a folder that already has it."
+            ).format(root=root, folder=folder)
         )
     from torchvision import datasets
 
@@ -385,5 +396,7 @@ def cifar10(root, train: bool = True, download: bool = False, transform=None):
         return datasets.CIFAR10(str(root), train=train, download=download, transform=transform)
     except RuntimeError as exc:
         raise RuntimeError(
-            f"CIFAR-10 in {folder} is incomplete or corrupt ({exc}); delete that folder and pass download=True"
+            tr(
+                "CIFAR-10 in {folder} is incomplete or corrupt ({error}); delete that folder and pass download=True"
+            ).format(folder=folder, error=exc)
         ) from None

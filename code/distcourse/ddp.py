@@ -28,6 +28,7 @@ from torch.utils.data import DistributedSampler
 from .common.models import mlp
 from .common.replicas import grads_of, my_share
 from .common.training import wrap_ddp as wrap  # this rank's device, device_ids only on a GPU
+from .runtime.i18n import tr
 
 # --- 2. DistributedSampler ----------------------------------------------------------------
 
@@ -98,7 +99,7 @@ def counting_hook(counter, bucket):  # no type hints: DDP checks them, and these
     """
     counter.buckets.append(bucket.buffer().numel())
     if counter.events is not None:
-        counter.events.append(f"all-reduce of bucket {bucket.index()} starts")
+        counter.events.append(("all-reduce", bucket.index()))
     return default_hooks.allreduce_hook(None, bucket)
 
 
@@ -130,19 +131,19 @@ def accumulated_gradients(x, y, micro_batches: int, model_kwargs: dict) -> dict:
 def bucket_timeline(x, y, caps_mb, model_kwargs: dict, steps: int = 3, **ddp_kwargs) -> dict:
     """For each ``bucket_cap_mb``: buckets per backward, their sizes, and the order of events.
 
-    The timeline interleaves "gradient of <parameter> computed" (a tensor hook on each
-    parameter) with "all-reduce of bucket i starts" (the communication hook), for the
-    last step. Buckets of a DDP model are fixed after the first backward, which runs
-    with one single bucket while DDP records the order gradients arrive in (unless
-    ``find_unused_parameters=True`` is among ``ddp_kwargs``: then the first backward
-    already uses buckets of the capped size).
+    The timeline interleaves ``("gradient", <parameter name>)`` (a tensor hook on each
+    parameter) with ``("all-reduce", <bucket index>)`` (the communication hook), for the
+    last step; :func:`event_text` says them in words. Buckets of a DDP model are fixed after
+    the first backward, which runs with one single bucket while DDP records the order
+    gradients arrive in (unless ``find_unused_parameters=True`` is among ``ddp_kwargs``:
+    then the first backward already uses buckets of the capped size).
     """
     xs, ys, _ = my_share(x, y)
     out = {}
     for cap in caps_mb:
         ddp, events = wrap(mlp(**model_kwargs), bucket_cap_mb=cap, **ddp_kwargs), []
         for name, p in ddp.module.named_parameters():
-            p.register_hook(lambda grad, name=name: events.append(f"gradient of {name} computed"))
+            p.register_hook(lambda grad, name=name: events.append(("gradient", name)))
         counter = CommCounter(events)
         ddp.register_comm_hook(counter, counting_hook)
         per_step = []
@@ -154,3 +155,11 @@ def bucket_timeline(x, y, caps_mb, model_kwargs: dict, steps: int = 3, **ddp_kwa
         last = counter.buckets[-per_step[-1] :]
         out[cap] = {"buckets_per_step": per_step, "bucket_sizes": last, "timeline": list(events)}
     return out
+
+
+def event_text(event: tuple) -> str:
+    """One event of :func:`bucket_timeline` as the chapter's table shows it."""
+    kind, what = event
+    if kind == "gradient":
+        return tr("gradient of {name} computed").format(name=what)
+    return tr("all-reduce of bucket {index} starts").format(index=what)

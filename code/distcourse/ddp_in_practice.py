@@ -38,7 +38,7 @@ from .common.replicas import my_share, params_of
 from .common.training import train_step
 from .common.training import wrap_ddp as wrap  # this rank's device, device_ids only on a GPU
 from .runtime.hardware import rank_device
-from .runtime.i18n import tr
+from .runtime.i18n import number, tr
 
 
 def clock() -> float:
@@ -71,7 +71,7 @@ def uneven_inputs(batches_per_rank, use_join: bool, model_kwargs: dict, divide_b
                 x = torch.randn(8, 64, generator=generator).to(rank_device())
                 y = torch.randint(10, (8,), generator=generator).to(rank_device())
                 train_step(ddp, optimizer, x, y)
-        print(f"finished {batches_per_rank[rank]} batches")
+        print(tr("finished {n} batches").format(n=batches_per_rank[rank]))
         dist.barrier()  # everyone waits for everyone, e.g. before rank 0 saves a checkpoint (chapter 05)
     except RuntimeError as error:  # say what went wrong on *this* rank, then fail as before
         print(f"{type(error).__name__}: {_CPP_LOCATION.sub('', str(error))}")
@@ -117,7 +117,7 @@ def unused_branch(x, y, find_unused_parameters: bool, steps: int = 2) -> dict:
     xs, ys, _ = my_share(x, y)
     for step in range(steps):
         train_step(ddp, optimizer, xs, ys)
-        print(f"step {step} done")
+        print(tr("step {step} done").format(step=step))
     return {"aux_grad_is_none": ddp.module.aux.weight.grad is None, "params": params_of(ddp.module)}
 
 
@@ -400,7 +400,8 @@ def train_with_loader(
     optimizer = torch.optim.SGD(ddp.parameters(), lr=lr)
     loader_pids, losses = set(), []
     start = clock()
-    with tqdm(total=epochs * len(loader), desc=f"rank {rank}", unit="step", disable=rank != 0) as bar:
+    desc, unit = tr("rank {rank}").format(rank=rank), tr("step")
+    with tqdm(total=epochs * len(loader), desc=desc, unit=unit, disable=rank != 0) as bar:
         for epoch in range(epochs):
             sampler.set_epoch(epoch)  # a new permutation every epoch, the same on every rank
             for images, labels, pids in loader:
@@ -409,7 +410,7 @@ def train_with_loader(
                 loss = train_step(ddp, optimizer, images, labels)
                 loader_pids.update(tuple(pair) for pair in pids.tolist())
                 losses.append(loss.item())
-                bar.set_postfix(epoch=epoch, loss=f"{loss.item():.3f}", refresh=False)
+                bar.set_postfix({tr("epoch"): epoch, tr("loss"): number(loss.item(), 3)}, refresh=False)
                 bar.update()
     return {
         "pid": os.getpid(),

@@ -29,8 +29,9 @@ from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
 from .common.datasets import digits
 from .common.models import mlp
 from .common.training import global_mean, train_step, wrap_ddp
-from .runtime import hardware
+from .runtime import hardware, i18n
 from .runtime.hardware import rank_device
+from .runtime.i18n import number, tr
 from .runtime.processes import package_env, stop_trees
 
 BATCH = 32  # samples per rank per step
@@ -159,13 +160,15 @@ def version(package: str):
         return None
 
 
-def _environment(library: str) -> dict:
+def launch_environment(library: str) -> dict:
+    """The environment a library's script starts with (``run_script``)."""
     env = package_env()  # so the scripts import this package
     if library == "deepspeed" and hardware.gpu_count() < WORLD_SIZE:
         env["DS_ACCELERATOR"] = "cpu"  # else DeepSpeed would put both ranks on a single GPU, if there is one
     # One intra-op thread per rank per core, as distcourse.launch does (no oversubscription).
     env["OMP_NUM_THREADS"] = str(hardware.threads_per_rank(WORLD_SIZE))
     env["PYTHONWARNINGS"] = "ignore"  # library deprecation chatter; errors still show
+    env["DISTCOURSE_LANG"] = i18n.language()  # the script prints in the notebook's language
     return env
 
 
@@ -181,7 +184,7 @@ def launch_command(library: str, script_args) -> list[str]:
         return [*torchrun, "-m", "distcourse.scripts.accelerate_train", *script_args]
     if library == "deepspeed":
         return [*torchrun, "-m", "distcourse.scripts.deepspeed_train", *script_args]
-    raise ValueError(f"unknown library {library!r}; one of {LIBRARIES}")
+    raise ValueError(tr("unknown library {library}; one of {choices}").format(library=repr(library), choices=LIBRARIES))
 
 
 def command_line(library: str, extra_args=()) -> str:
@@ -207,7 +210,7 @@ def run_script(
         started = time.perf_counter()
         process = subprocess.Popen(
             command,
-            env={**_environment(library), **(env or {})},
+            env={**launch_environment(library), **(env or {})},
             cwd=tmp,
             stdout=subprocess.PIPE,
             stderr=subprocess.STDOUT,
@@ -218,7 +221,10 @@ def run_script(
         except subprocess.TimeoutExpired:
             stop_trees([process.pid], grace=3.0)
             log, _ = process.communicate()
-            raise TimeoutError(f"{library} run did not finish in {timeout:g} s; its log:\n{log}") from None
+            text = tr("{library} run did not finish in {timeout} s; its log:").format(
+                library=library, timeout=number(timeout)
+            )
+            raise TimeoutError(f"{text}\n{log}") from None
         except BaseException:  # an interrupted cell: no rank may outlive it
             stop_trees([process.pid], grace=3.0)
             process.wait()
@@ -226,12 +232,16 @@ def run_script(
         seconds = time.perf_counter() - started
         ours = [line for line in log.splitlines() if line.startswith("[rank ")]
         if process.returncode != 0 or not out.exists():
-            raise RuntimeError(f"{library} run failed (exit code {process.returncode}); its log:\n{log}")
+            text = tr("{library} run failed (exit code {code}); its log:").format(
+                library=library, code=process.returncode
+            )
+            raise RuntimeError(f"{text}\n{log}")
         shown = "\n".join(sorted(ours, key=lambda line: line[:8]))  # stable: grouped by rank
         if show_log:
             shown += "\n" + log
         else:
-            shown += f"\n({len(log.splitlines()) - len(ours)} lines of {library}'s own log hidden: result['log'])"
+            hidden = tr("({n} lines of {library}'s own log hidden: result['log'])")
+            shown += "\n" + hidden.format(n=number(len(log.splitlines()) - len(ours)), library=library)
         if not quiet:
             print(shown)
         result = load_result(out)
@@ -242,6 +252,12 @@ def run_script(
 # --------------------------------------------------------------------------------------
 # Helpers used by the scripts
 # --------------------------------------------------------------------------------------
+
+
+def use_script_language() -> None:
+    """The scripts print in the language of the notebook that started them (``DISTCOURSE_LANG``,
+    which :func:`run_script` sets), English without one."""
+    i18n.use(i18n.script_language())
 
 
 def say(rank: int, text: str) -> None:

@@ -7,6 +7,7 @@ from torch import nn
 from .common.models import mlp
 from .common.training import wrap_ddp
 from .runtime.hardware import rank_device
+from .runtime.i18n import number, tr
 
 
 def ddp_step(seed: int = 0, batch_size: int = 8):
@@ -26,5 +27,14 @@ def ddp_step(seed: int = 0, batch_size: int = 8):
     loss = nn.functional.mse_loss(ddp(x), y)
     loss.backward()  # DDP all-reduces (averages) the gradients during backward
     optimizer.step()
-    print(f"rank {rank}/{dist.get_world_size()} on {device} ({dist.get_backend()}): loss {loss.item():.4f}")
+    text = tr("rank {rank}/{world} on {device} ({backend}): loss {loss}")
+    print(
+        text.format(
+            rank=rank,
+            world=dist.get_world_size(),
+            device=device,
+            backend=dist.get_backend(),
+            loss=number(loss.item(), 4),
+        )
+    )
     return {"loss": loss.item(), "params": [p.detach().cpu() for p in model.parameters()]}

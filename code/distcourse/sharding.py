@@ -53,7 +53,7 @@ def placement(
     ``world_size`` GPUs on one machine. Activations, buffers and fragmentation come on top.
     """
     if offload_params and stage != 3:
-        raise ValueError("offloading parameters needs them sharded: ZeRO stage 3")
+        raise ValueError(tr("offloading parameters needs them sharded: ZeRO stage 3"))
     per_rank = zero_bytes(num_params, world_size, stage, bytes_per_param)
     on_cpu = set()
     if offload_optimizer:
@@ -125,7 +125,7 @@ def measure_memory(strategies=("ddp", "zero1", "fsdp")) -> dict:
             wrapped = shard_model(model)
             optimizer = torch.optim.Adam(wrapped.parameters(), lr=1e-3)
         else:
-            raise ValueError(f"unknown strategy {strategy!r}")
+            raise ValueError(tr("unknown strategy {strategy}").format(strategy=repr(strategy)))
         _one_step(wrapped, optimizer, device)
         report[strategy] = memory_report(model, optimizer)
         r = report[strategy]
@@ -148,12 +148,12 @@ def watch_unsharding() -> list:
         weight = model[0].weight
         return when, type(weight).__name__, tuple(local_part(weight).shape)
 
-    seen = [look("before forward")]
+    seen = [look(tr("before forward"))]
     # A pre-hook registered after fully_shard runs after FSDP's own pre-hook, which all-gathers.
-    model[0].register_forward_pre_hook(lambda module, inputs: seen.append(look("while computing")))
+    model[0].register_forward_pre_hook(lambda module, inputs: seen.append(look(tr("while computing"))))
     x, _ = rank_batch(dist.get_rank(), dist.get_world_size())
     model(x.to(rank_device()))
-    seen.append(look("after forward"))
+    seen.append(look(tr("after forward")))
     return seen
 
 
@@ -216,6 +216,7 @@ def ring_traffic(num_params: int, world_size: int, stage: int, zero_redundancy_o
     half = (world_size - 1) / world_size * num_params
     if zero_redundancy_optimizer:
         if stage != 1:
-            raise ValueError(f"ZeroRedundancyOptimizer shards the optimizer state only: stage 1, not {stage}")
+            text = tr("ZeroRedundancyOptimizer shards the optimizer state only: stage 1, not {stage}")
+            raise ValueError(text.format(stage=stage))
         return 3 * half
     return 3 * half if stage == 3 else 2 * half

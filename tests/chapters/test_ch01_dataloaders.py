@@ -89,3 +89,16 @@ def test_host_to_device_timing_needs_an_accelerator():
         ms = data.host_to_device_ms(megabytes=16, repeats=3)
         assert set(ms) == {"pageable", "pinned"} and all(v > 0 for v in ms.values())
         assert ms["pinned"] < ms["pageable"]
+
+
+def test_source_labels_translate_words_not_module_names(monkeypatch):
+    from distcourse.runtime import i18n
+
+    monkeypatch.setattr(i18n, "catalog", lambda code: {"numpy global": "numpy, глобальный"} if code == "ru" else {})
+    i18n.use("ru")
+    try:
+        assert data.source_label("numpy global") == "numpy, глобальный"
+        assert data.source_label("torch") == "torch"  # a module's name stays as it is
+    finally:
+        i18n.use("en")
+    assert data.source_label("numpy Generator in dataset") == "numpy Generator in dataset"

@@ -143,3 +143,23 @@ def test_single_tensor_collectives_and_avg(n, no_leftovers):
     avg = [t["all_reduce AVG"] for t in tour]
     assert all(a["after"] == a["sum / world size"] == [x / n for x in sums] for a in avg)
     assert avg[0]["how"] == "ReduceOp.AVG"  # gloo in torch 2.13 has it
+
+
+def test_tables_write_numbers_the_readers_way():
+    """Floats in the tables take the reader's decimal sign; a list whose items then carry a comma
+    separates them with semicolons, so that [1,5; 2] cannot be read as three numbers."""
+    from distcourse.runtime import i18n
+
+    table = collectives.markdown_table(["x"], [([1.5, 2.0, None],), (1e-05,), (7,)])
+    assert table.splitlines()[2:] == ["| [1.5, 2, —] |", "| 1e-05 |", "| 7 |"]
+    i18n.use("ru")
+    try:
+        table = collectives.markdown_table(["x"], [([1.5, 2.0, None],), ([1.0, 2.0],)])
+        assert table.splitlines()[2:] == ["| [1,5; 2; —] |", "| [1, 2] |"]
+    finally:
+        i18n.use("en")
+
+
+def test_how_labels_keep_the_api_names():
+    assert collectives.how_label("native dist.reduce_scatter") == "native dist.reduce_scatter"
+    assert collectives.how_label("ReduceOp.AVG") == "ReduceOp.AVG"  # a name: nothing to translate

@@ -1,6 +1,8 @@
 """The chapter 04 helpers do what the chapter says, and its self-check can fail."""
 
+import json
 import math
+import re
 import subprocess
 import sys
 
@@ -13,6 +15,7 @@ from distcourse import data_parallel as dp
 from distcourse import ddp, ddp_in_practice
 from distcourse.common import numerics, replicas
 from distcourse.exercises import ch04
+from distcourse.runtime import i18n
 from distcourse.runtime.processes import package_env
 from distcourse.scripts import ddp_spawn_example
 
@@ -57,6 +60,23 @@ def test_spawn_script_trains_one_rank(tmp_path):
     first, last = run.stdout.splitlines()[0], run.stdout.splitlines()[-1]
     assert first.startswith("rank 0/1 (gloo, cpu)") and "after the step" in first
     assert last == "initialized after train: False"  # destroyed in finally
+    # The same numbers once more, for a program to read (the notebook compares them exactly).
+    result = json.loads(run.stdout.splitlines()[1].removeprefix("result "))
+    assert result["rank"] == 0 and result["wrapped"] == result["before"] != result["after"]
+
+
+def test_spawn_script_speaks_the_language_it_is_given():
+    """DISTCOURSE_LANG reaches mp.spawn's new interpreters: Russian numbers, Russian verdict."""
+    code = "from distcourse.scripts import ddp_spawn_example as s\ns.main()\n"
+    env = {**package_env(), "DISTCOURSE_LANG": "ru"}
+    env.pop("GLOO_SOCKET_IFNAME", None)
+    run = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=180)
+    assert run.returncode == 0, run.stderr
+    lines = run.stdout.splitlines()
+    assert lines[-1] == i18n.tr("all ranks finished", language="ru")
+    rank_lines = [line for line in lines if line.startswith(("rank 0/2", "rank 1/2", "ранг"))]
+    assert len(rank_lines) == 2 and all(re.search(r"-?\d+,\d{6}\b", line) for line in rank_lines)  # decimal comma
+    assert sorted(json.loads(line[7:])["rank"] for line in lines if line.startswith("result ")) == [0, 1]
 
 
 def record_rank_setup(monkeypatch, accelerator, count):
@@ -129,9 +149,10 @@ def test_smaller_buckets_are_more_and_overlap_backward(batch):
     n_params = sum(p.numel() for p in dp.mlp(**model).parameters())
     assert sum(out[0.05]["bucket_sizes"]) == n_params
     events = out[0.05]["timeline"]
-    assert events[0].startswith("gradient") and events[-1].startswith("all-reduce")
-    first_send = next(i for i, e in enumerate(events) if e.startswith("all-reduce"))
-    assert any(e.startswith("gradient") for e in events[first_send:])
+    assert events[0][0] == "gradient" and events[-1][0] == "all-reduce"
+    first_send = next(i for i, e in enumerate(events) if e[0] == "all-reduce")
+    assert any(e[0] == "gradient" for e in events[first_send:])
+    assert ddp.event_text(events[-1]).startswith("all-reduce of bucket")
 
 
 def test_uneven_inputs_hang_without_join_and_finish_with_it():

@@ -469,3 +469,10 @@ def test_bad_launcher_environment_is_a_clear_error(monkeypatch, env, message):
         monkeypatch.setenv(key, value)
     with pytest.raises(ValueError, match=message):
         train.main(["--steps", "1"])
+
+
+def test_store_text_says_what_init_distributed_reports():
+    from distcourse.common import distributed
+
+    assert distributed.store_text("new each round") == "new each round"
+    assert distributed.store_text("agent's, prefix attempt1/") == "the agent's, prefix attempt1/"

@@ -131,3 +131,58 @@ def test_ranks_speak_the_notebook_language(language):
     assert distcourse.launch(i18n.language, world_size=2, init_process_group=False, quiet=True) == ["ko", "ko"]
     language("en")
     assert distcourse.launch(i18n.language, world_size=1, init_process_group=False, quiet=True) == ["en"]
+
+
+def test_a_ranks_printed_line_comes_out_in_russian(language):
+    """What a rank prints through tr() and number() is in the notebook's language: the launcher
+    passes the language to the ranks, and each rank loads that catalog."""
+    import distcourse
+    import rank_workers
+
+    language("ru")
+    results = distcourse.launch(
+        rank_workers.says_in_the_notebooks_language, world_size=2, init_process_group=False, quiet=True
+    )
+    russian = i18n.catalog("ru")["Not yet:"]
+    assert list(results) == ["ru", "ru"]
+    for rank in range(2):
+        assert results.outputs[rank].strip() == f"{russian} {i18n.number(1234.5)}"  # "Пока нет: 1 234,5"
+        assert "Not yet" not in results.outputs[rank] and "1,234.5" not in results.outputs[rank]
+
+
+def test_the_launchers_plan_line_follows_the_language(monkeypatch, language, capsys):
+    """The "launch:" line keeps its tag and says the plan in the reader's language."""
+    import distcourse
+    import rank_workers
+    from distcourse.runtime.hardware import Hardware, plan
+
+    fake = {
+        "{n} ranks": "{n} ранга",
+        "{n} intra-op threads per rank": "{n} потока на ранг",
+        "1 intra-op thread per rank": "1 поток на ранг",
+        "{ranks}, backend {backend} on CPU, {threads} ({cores} cores, {gpus} GPUs)": (
+            "{ranks}, бэкенд {backend} на CPU, {threads} (ядер: {cores}, GPU: {gpus})"
+        ),
+    }
+    monkeypatch.setattr(i18n, "catalog", lambda code: fake if code == "ru" else {})
+    language("ru")
+    assert (
+        plan(2, hardware=Hardware(cores=4)).describe()
+        == "2 ранга, бэкенд gloo на CPU, 2 потока на ранг (ядер: 4, GPU: 0)"
+    )
+    distcourse.launch(rank_workers.says_in_the_notebooks_language, world_size=2, init_process_group=False, threads=1)
+    first = capsys.readouterr().out.splitlines()[0]
+    assert first.startswith("launch: 2 ранга, бэкенд gloo на CPU, 1 поток на ранг (ядер: ")
+
+
+def test_launched_programs_get_the_language(language):
+    """Scripts started by the chapters (torchrun, the libraries' launchers) read DISTCOURSE_LANG."""
+    from distcourse import libraries
+    from distcourse.common import subprocesses
+
+    language("pt-BR")
+    assert subprocesses.child_env()["DISTCOURSE_LANG"] == "pt-BR"
+    assert subprocesses.child_env(DISTCOURSE_LANG="ko")["DISTCOURSE_LANG"] == "ko"  # an explicit choice wins
+    assert libraries.launch_environment("lightning")["DISTCOURSE_LANG"] == "pt-BR"
+    language("en")
+    assert subprocesses.child_env()["DISTCOURSE_LANG"] == "en"

@@ -17,6 +17,8 @@ import zipfile
 import numpy as np
 import torch
 
+from ..runtime.i18n import number, tr
+
 # --------------------------------------------------------------------------------------
 # Writing and reading checkpoint files
 # --------------------------------------------------------------------------------------
@@ -93,22 +95,28 @@ def load_checkpoint(path, map_location="cpu"):
     """
     path = pathlib.Path(path)
     if not path.is_file():
-        listing = sorted(p.name for p in path.parent.glob("*")) if path.parent.is_dir() else None
-        where = f"; the directory holds {listing}" if listing is not None else "; the directory does not exist"
-        raise FileNotFoundError(f"no checkpoint at {path}{where}")
+        if path.parent.is_dir():
+            listing = sorted(p.name for p in path.parent.glob("*"))
+            raise FileNotFoundError(
+                tr("no checkpoint at {path}; the directory holds {files}").format(path=path, files=listing)
+            )
+        raise FileNotFoundError(tr("no checkpoint at {path}; the directory does not exist").format(path=path))
     size = path.stat().st_size
     # torch.save writes a zip archive whose directory is at the very end of the file, so
     # a file cut short by a crash is no longer a zip archive at all.
     if not zipfile.is_zipfile(path):
         raise CorruptCheckpointError(
-            f"checkpoint {path} is corrupt or truncated ({size} bytes, not a complete zip archive); "
-            "was the save interrupted? Load an earlier checkpoint."
+            tr(
+                "checkpoint {path} is corrupt or truncated ({size} bytes, not a complete zip archive); "
+                "was the save interrupted? Load an earlier checkpoint."
+            ).format(path=path, size=number(size))
         )
     try:
         return torch.load(path, map_location=map_location, weights_only=True)
     except (RuntimeError, EOFError, KeyError, IndexError) as exc:
         first_line = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
-        raise CorruptCheckpointError(f"checkpoint {path} is corrupt ({size} bytes): {first_line}") from None
+        text = tr("checkpoint {path} is corrupt ({size} bytes): {error}")
+        raise CorruptCheckpointError(text.format(path=path, size=number(size), error=first_line)) from None
 
 
 def saved_locations(path) -> set[str]:

@@ -14,6 +14,8 @@ import sys
 import torch
 import torch.distributed as dist
 
+from ..runtime.i18n import tr
+
 # --------------------------------------------------------------------------------------
 # Setting up and tearing down the process group
 # --------------------------------------------------------------------------------------
@@ -69,9 +71,11 @@ def init_distributed(backend: str, device: torch.device, timeout: float) -> dict
     nodes, restarts = env_int("GROUP_WORLD_SIZE", default=1), env_int("TORCHELASTIC_MAX_RESTARTS", default=0)
     if nodes > 1 and restarts > 0:
         raise ValueError(
-            f"{nodes} nodes with --max-restarts={restarts} and torchrun's shared store: restart "
-            "counts differ between nodes, so attempts cannot be told apart. Start every torchrun "
-            "agent with TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 (a new store each rendezvous round)"
+            tr(
+                "{nodes} nodes with --max-restarts={restarts} and torchrun's shared store: restart "
+                "counts differ between nodes, so attempts cannot be told apart. Start every torchrun "
+                "agent with TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 (a new store each rendezvous round)"
+            ).format(nodes=nodes, restarts=restarts)
         )
     launcher_store = dist.TCPStore(
         os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), is_master=False, timeout=limit
@@ -81,6 +85,13 @@ def init_distributed(backend: str, device: torch.device, timeout: float) -> dict
     store = dist.PrefixStore(prefix, launcher_store)
     dist.init_process_group(backend, store=store, rank=rank, world_size=world_size, timeout=limit, **on_gpu)
     return {"store": "agent's, prefix " + prefix, "left_over": left_over}
+
+
+def store_text(store: str) -> str:
+    """What :func:`init_distributed` reports about the store (``"store"``), in the reader's words."""
+    if store == "new each round":
+        return tr("new each round")
+    return tr("the agent's, prefix {prefix}").format(prefix=store.removeprefix("agent's, prefix "))
 
 
 def keys_left_over(store, prefix: str) -> list[str] | None:
@@ -112,14 +123,20 @@ def env_int(name: str, default: int | None = None, minimum: int = 0) -> int:
     value = os.environ.get(name)
     if value is None:
         if default is None:
-            raise ValueError(f"{name} is not set: run this script with torchrun, or unset RANK to run one process")
+            raise ValueError(
+                tr("{name} is not set: run this script with torchrun, or unset RANK to run one process").format(
+                    name=name
+                )
+            )
         return default
     try:
         number = int(value)
     except ValueError:
-        raise ValueError(f"{name}={value!r} is not an integer; let torchrun set it") from None
+        raise ValueError(
+            tr("{setting} is not an integer; let torchrun set it").format(setting=f"{name}={value!r}")
+        ) from None
     if number < minimum:
-        raise ValueError(f"{name}={number} must be at least {minimum}")
+        raise ValueError(tr("{setting} must be at least {minimum}").format(setting=f"{name}={number}", minimum=minimum))
     return number
 
 
@@ -132,6 +149,8 @@ def check_launcher_env() -> None:
     world_size, local_world_size = env_int("WORLD_SIZE", minimum=1), env_int("LOCAL_WORLD_SIZE", minimum=1)
     if not (rank < world_size and local_rank < local_world_size):
         raise ValueError(
-            f"RANK={rank} / LOCAL_RANK={local_rank} do not fit WORLD_SIZE={world_size} / "
-            f"LOCAL_WORLD_SIZE={local_world_size}; let torchrun set these variables"
+            tr("{ranks} do not fit {sizes}; let torchrun set these variables").format(
+                ranks=f"RANK={rank} / LOCAL_RANK={local_rank}",
+                sizes=f"WORLD_SIZE={world_size} / LOCAL_WORLD_SIZE={local_world_size}",
+            )
         )

@@ -25,11 +25,14 @@ import tempfile
 import time
 from dataclasses import dataclass, field
 
-from ..runtime import hardware
+from ..runtime import hardware, i18n
 from ..runtime.processes import group_alive as group_alive  # chapter 07 checks teardown with it
 from ..runtime.processes import package_env, stop_trees
 
 RANK_LINE = re.compile(r"^\[rank (\d+)\] (.*)$")
+# Lines that code reads back (tag, then JSON) and that say nothing a sentence beside them does not
+# say in the reader's language: Result.show() leaves them out. "result" is shown: it is the outcome.
+MACHINE_TAGS = ("worker", "store", "crash", "resume")
 
 
 class TorchrunError(RuntimeError):
@@ -65,8 +68,10 @@ def torchrun(*launcher_args: str, module: str = "distcourse.train", script_args=
 
 
 def child_env(threads: int = 1, **extra: str) -> dict[str, str]:
-    """The environment for launched processes: one intra-op thread each, and distcourse importable."""
-    return package_env(OMP_NUM_THREADS=str(threads), PYTHONUNBUFFERED="1", **extra)
+    """The environment for launched processes: one intra-op thread each, distcourse importable, and
+    ``DISTCOURSE_LANG``: the language this process speaks (the notebook's), for what they print."""
+    language = {"DISTCOURSE_LANG": i18n.language()}
+    return package_env(OMP_NUM_THREADS=str(threads), PYTHONUNBUFFERED="1", **{**language, **extra})
 
 
 def node_envs(nnodes: int, nproc_per_node: int = 1, threads: int = 1, **extra: str) -> list[dict[str, str]]:
@@ -102,7 +107,7 @@ class Result:
         """The JSON value that ``rank`` printed after ``tag`` (the last one, if several)."""
         found = self.all_json(rank, tag)
         if not found:
-            raise KeyError(f"rank {rank} printed no '{tag} ...' line")
+            raise KeyError(i18n.tr("rank {rank} printed no '{tag} ...' line").format(rank=rank, tag=tag))
         return found[-1]
 
     def all_json(self, rank: int, tag: str) -> list:
@@ -110,7 +115,7 @@ class Result:
         lines = self.ranks.get(rank, [])
         return [json.loads(line[len(tag) + 1 :]) for line in lines if line.startswith(tag + " ")]
 
-    def show(self, stderr_lines: int = 0, label: str = "", hide=("worker",)) -> None:
+    def show(self, stderr_lines: int = 0, label: str = "", hide=MACHINE_TAGS) -> None:
         """Print the ranks' lines but those tagged ``hide``; optionally the end of stderr (torchrun's log)."""
         for line in self.stdout.splitlines():
             m = RANK_LINE.match(line)
@@ -126,7 +131,7 @@ def find_json(results: list[Result], rank: int, tag: str):
     for result in results:
         if result.all_json(rank, tag):
             return result.json(rank, tag)
-    raise KeyError(f"no agent shows a '{tag} ...' line of rank {rank}")
+    raise KeyError(i18n.tr("no agent shows a '{tag} ...' line of rank {rank}").format(tag=tag, rank=rank))
 
 
 def per_rank(text: str) -> dict[int, list[str]]:
@@ -195,14 +200,20 @@ def run_together(
         Result(cmd, p.pid if p else 0, p.returncode if p else None, _read(out), _read(err), seconds)
         for cmd, p, (out, err) in zip(commands, procs, files)
     ]
+    _raise_if_failed(results, timed_out, timeout, check)
+    return results
+
+
+def _raise_if_failed(results: list[Result], timed_out: bool, timeout: float, check: bool) -> None:
     if timed_out:
-        raise TorchrunTimeout(f"still running after {timeout:g} s: stopped every process", results)
+        text = i18n.tr("still running after {timeout} s: stopped every process")
+        raise TorchrunTimeout(text.format(timeout=i18n.number(timeout)), results)
     failed = [i for i, r in enumerate(results) if r.returncode != 0]
     if check and failed:
         i = failed[0]
         tail = "\n".join(results[i].stderr.splitlines()[-15:])
-        raise TorchrunError(f"process {i} exited with code {results[i].returncode}:\n{tail}", results)
-    return results
+        text = i18n.tr("process {i} exited with code {code}:").format(i=i, code=results[i].returncode)
+        raise TorchrunError(f"{text}\n{tail}", results)
 
 
 def _wait_all(procs, deadline: float, stop_on_failure: bool, grace: float) -> bool:

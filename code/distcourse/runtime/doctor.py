@@ -24,7 +24,7 @@ from dataclasses import dataclass
 import torch
 
 from . import hardware, support
-from .i18n import tr
+from .i18n import number, tr
 
 SHM = "/dev/shm"
 # Docker gives a container 64 MB of /dev/shm. DataLoader workers pass every batch through it
@@ -43,14 +43,20 @@ class Check:
 
     def line(self) -> str:
         mark = {True: "ok", False: "!!", None: "--"}[self.ok]
-        return f"[{mark}] {self.topic:<12} {self.text}"
+        return f"[{mark}] {_topic(self.topic):<12} {self.text}"
+
+
+def _topic(topic: str) -> str:
+    """A topic as the report shows it: words in the reader's language, names as they are."""
+    words = {"devices": tr("devices"), "two nodes": tr("two nodes"), "fonts": tr("fonts")}
+    return words.get(topic, topic)
 
 
 def _size(n: int) -> str:
-    """Bytes as Docker's --shm-size writes them: "64 MB", "2 GB", "12.5 GB"."""
+    """Bytes as Docker's --shm-size writes them: "64 MB", "2 GB", "12.5 GB" (numbers the reader's way)."""
     if n >= 2**30:
-        return f"{n / 2**30:.1f}".removesuffix(".0") + " GB"
-    return f"{n // 2**20} MB"
+        return tr("{size} GB").format(size=number(round(n / 2**30, 1)))
+    return tr("{size} MB").format(size=number(n // 2**20))
 
 
 def torch_build() -> str:
@@ -187,7 +193,7 @@ def loopback_store(timeout: float = 5.0) -> str | None:
     import torch.distributed as dist
 
     if not dist.is_available():
-        return "torch.distributed is not available in this build"
+        return tr("torch.distributed is not available in this build")
     wait = datetime.timedelta(seconds=timeout)
     try:
         sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
@@ -203,7 +209,7 @@ def loopback_store(timeout: float = 5.0) -> str | None:
         del client, server
     except Exception as exc:  # any failure is the answer: ranks could not meet here either
         return f"{type(exc).__name__}: {exc}"
-    return None if answer == b"ok" else f"the store answered {answer!r}"
+    return None if answer == b"ok" else tr("the store answered {answer}").format(answer=repr(answer))
 
 
 def check_store() -> Check:

@@ -25,6 +25,8 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
+from .i18n import number, tr
+
 # More ranks than this on one machine is almost certainly a typo (world_size=2000
 # instead of 2); refusing it early saves the learner from a frozen machine.
 MAX_LOCAL_WORLD_SIZE = 64
@@ -211,24 +213,32 @@ class Plan:
     pin_memory: bool = False
 
     def describe(self) -> str:
-        where = "one GPU per rank" if self.device_type == "cuda" else "CPU"
-        plural = "s" if self.threads != 1 else ""
-        return (
-            f"{self.world_size} rank{'s' if self.world_size != 1 else ''}, backend {self.backend} "
-            f"on {where}, {self.threads} intra-op thread{plural} per rank "
-            f"({self.cores} cores, {self.gpus} GPUs)"
+        """One line for the reader (the launcher prints it after ``launch:``), in their language."""
+        ranks = tr("1 rank") if self.world_size == 1 else tr("{n} ranks").format(n=self.world_size)
+        if self.threads == 1:
+            threads = tr("1 intra-op thread per rank")
+        else:
+            threads = tr("{n} intra-op threads per rank").format(n=self.threads)
+        if self.device_type == "cuda":
+            text = tr("{ranks}, backend {backend} on one GPU per rank, {threads} ({cores} cores, {gpus} GPUs)")
+        else:
+            text = tr("{ranks}, backend {backend} on CPU, {threads} ({cores} cores, {gpus} GPUs)")
+        return text.format(
+            ranks=ranks, backend=self.backend, threads=threads, cores=number(self.cores), gpus=number(self.gpus)
         )
 
 
 def _check_world_size(world_size) -> None:
     if isinstance(world_size, bool) or not isinstance(world_size, int):
-        raise ValueError(f"world_size must be an integer, got {world_size!r}")
+        raise ValueError(tr("world_size must be an integer, got {value}").format(value=repr(world_size)))
     if world_size < 1:
-        raise ValueError(f"world_size must be at least 1, got {world_size}")
+        raise ValueError(tr("world_size must be at least 1, got {value}").format(value=world_size))
     if world_size > MAX_LOCAL_WORLD_SIZE:
         raise ValueError(
-            f"world_size={world_size} is more processes than one machine should start "
-            f"(limit {MAX_LOCAL_WORLD_SIZE}); for multi-node jobs use torchrun (chapter 07)"
+            tr(
+                "world_size={world_size} is more processes than one machine should start "
+                "(limit {limit}); for multi-node jobs use torchrun (chapter 07)"
+            ).format(world_size=world_size, limit=MAX_LOCAL_WORLD_SIZE)
         )
 
 
@@ -238,17 +248,23 @@ def _choose_backend(world_size: int, backend: str | None, hw: Hardware) -> str:
     if backend is None:
         backend = "nccl" if hw.gpus >= world_size and hw.nccl_available else "gloo"
     if backend not in BACKENDS:
-        raise ValueError(f"backend must be one of {BACKENDS} or None (automatic), got {backend!r}")
+        raise ValueError(
+            tr("backend must be one of {choices} or None (automatic), got {value}").format(
+                choices=BACKENDS, value=repr(backend)
+            )
+        )
     if backend == "nccl":
         if not hw.nccl_available:
-            raise ValueError("backend 'nccl' is not available in this PyTorch build; use 'gloo'")
+            raise ValueError(tr("backend 'nccl' is not available in this PyTorch build; use 'gloo'"))
         if hw.gpus < world_size:
             raise ValueError(
-                f"backend 'nccl' needs one GPU per rank: world_size={world_size} but this "
-                f"machine has {hw.gpus} GPU(s); use backend='gloo' (CPU) or fewer ranks"
+                tr(
+                    "backend 'nccl' needs one GPU per rank: world_size={world_size} but this "
+                    "machine has {gpus} GPU(s); use backend='gloo' (CPU) or fewer ranks"
+                ).format(world_size=world_size, gpus=hw.gpus)
             )
     if backend == "gloo" and not dist.is_gloo_available():
-        raise ValueError("backend 'gloo' is not available in this PyTorch build")
+        raise ValueError(tr("backend 'gloo' is not available in this PyTorch build"))
     return backend
 
 
@@ -256,7 +272,11 @@ def _choose_precision(device_type: str, precision: str | None, hw: Hardware) -> 
     if precision is None:
         return "bf16" if device_type == "cuda" and hw.gpu_bf16 else "fp32"
     if precision not in PRECISIONS:
-        raise ValueError(f"precision must be one of {PRECISIONS} or None (automatic), got {precision!r}")
+        raise ValueError(
+            tr("precision must be one of {choices} or None (automatic), got {value}").format(
+                choices=PRECISIONS, value=repr(precision)
+            )
+        )
     return precision
 
 
@@ -279,7 +299,7 @@ def plan(
     if threads is None:
         threads = threads_per_rank(world_size, hw.cores)
     elif isinstance(threads, bool) or not isinstance(threads, int) or threads < 1:
-        raise ValueError(f"threads must be a positive integer or None, got {threads!r}")
+        raise ValueError(tr("threads must be a positive integer or None, got {value}").format(value=repr(threads)))
     device_type = "cuda" if backend == "nccl" else "cpu"
     devices = tuple(f"cuda:{r}" for r in range(world_size)) if device_type == "cuda" else ("cpu",) * world_size
     return Plan(
@@ -504,4 +524,6 @@ def run_summary(text: str, cpu: str) -> str:
 
 def describe_machine() -> str:
     # Device names would need a CUDA context in this process; the count does not.
-    return f"torch {torch.__version__}, {cpu_cores()} CPU cores, {gpu_count()} GPU(s)"
+    return tr("torch {version}, {cores} CPU cores, {gpus} GPU(s)").format(
+        version=torch.__version__, cores=number(cpu_cores()), gpus=number(gpu_count())
+    )

@@ -18,7 +18,9 @@ The package itself speaks through ``tr()`` too: exercise verdicts, the lines ran
 functions print, table headers and axis labels it draws; ``tools/translations.py``
 collects the ``tr("...")`` literals of ``code/distcourse/**/*.py`` as well. Numbers it
 shows go through ``number()``, which writes them the reader's way (``1,234.5`` in
-English, ``1 234,5`` in Russian, ``1.234,5`` in Brazilian Portuguese).
+English, ``1 234,5`` in Russian, ``1.234,5`` in Brazilian Portuguese). Rank processes of
+``launch`` get the notebook's language from the launcher; a script started as a program
+(torchrun) reads it from ``DISTCOURSE_LANG`` (``script_language``).
 
 Chinese and Korean labels need a CJK font. ``set_language`` looks for one among
 the installed fonts (Noto Sans CJK, Source Han Sans and the usual system fonts);
@@ -165,6 +167,19 @@ def use(code: str) -> None:
     global _language, _catalog
     _catalog = catalog(code)
     _language = code
+
+
+def script_language() -> str:
+    """The language of a script started as a program (a torchrun worker, ``python -m ...``).
+
+    ``DISTCOURSE_LANG`` when it names one of the course's languages, otherwise English. A
+    script calls ``use(script_language())`` before it prints; whoever starts it sets the
+    variable (``DISTCOURSE_LANG=ru torchrun ...``). Unlike ``notebook_language`` this never
+    guesses from the working folder or asks Colab: a subprocess has no notebook to ask, and
+    lines that code reads back keep a fixed tag whatever the language (``result {json}``).
+    """
+    code = os.environ.get("DISTCOURSE_LANG", "")
+    return code if code in LANGUAGES else "en"
 
 
 def tr(text: str, language: str | None = None) -> str:

@@ -118,15 +118,16 @@ def _check_importable(fn) -> None:
     target = getattr(fn, "func", fn)  # functools.partial
     module = getattr(target, "__module__", None)
     qualname = getattr(target, "__qualname__", "")
-    hint = (
+    hint = i18n.tr(
         "Rank processes import the function by name, so it must live in a .py module: "
         "move it into a file (e.g. my_workers.py next to the notebook) and import it, "
         "or use one from the distcourse package."
     )
     if not callable(target):
-        raise ValueError(f"fn must be callable, got {fn!r}")
+        raise ValueError(i18n.tr("fn must be callable, got {fn}").format(fn=repr(fn)))
     if module in (None, "__main__", "__mp_main__") or "<" in qualname:
-        raise ValueError(f"{qualname or fn!r} is defined in the notebook or inside a function. {hint}")
+        where = i18n.tr("{name} is defined in the notebook or inside a function.").format(name=qualname or repr(fn))
+        raise ValueError(f"{where} {hint}")
     try:
         obj = sys.modules.get(module) or __import__(module, fromlist=["_"])
         for part in qualname.split("."):
@@ -134,7 +135,8 @@ def _check_importable(fn) -> None:
     except (ImportError, AttributeError):
         obj = None
     if obj is not target:
-        raise ValueError(f"{module}.{qualname} cannot be imported by that name. {hint}")
+        where = i18n.tr("{name} cannot be imported by that name.").format(name=f"{module}.{qualname}")
+        raise ValueError(f"{where} {hint}")
 
 
 class _NotebookObjectPickler(pickle.Pickler):
@@ -144,8 +146,10 @@ class _NotebookObjectPickler(pickle.Pickler):
         owner = obj if isinstance(obj, type) else type(obj)
         if getattr(owner, "__module__", None) == "__main__" or getattr(obj, "__module__", 1) == "__main__":
             raise ValueError(
-                f"{obj!r} is defined in the notebook, so rank processes cannot unpickle it; "
-                "move its definition into a .py module and import it"
+                i18n.tr(
+                    "{object} is defined in the notebook, so rank processes cannot unpickle it; "
+                    "move its definition into a .py module and import it"
+                ).format(object=repr(obj))
             )
         return NotImplemented
 
@@ -157,13 +161,17 @@ def _dumps(value) -> bytes:
     except ValueError:
         raise
     except Exception as exc:
-        raise ValueError(f"the function's arguments cannot be sent to rank processes: {exc}") from exc
+        raise ValueError(
+            i18n.tr("the function's arguments cannot be sent to rank processes: {error}").format(error=exc)
+        ) from exc
     return buffer.getvalue()
 
 
 def _positive(name: str, value) -> float:
     if isinstance(value, bool) or not (isinstance(value, (int, float)) and value > 0):
-        raise ValueError(f"{name} must be a positive number of seconds, got {value!r}")
+        raise ValueError(
+            i18n.tr("{name} must be a positive number of seconds, got {value}").format(name=name, value=repr(value))
+        )
     return float(value)
 
 
@@ -240,7 +248,8 @@ class _Run:
         except (EOFError, OSError):
             pass
         except Exception as exc:  # e.g. the rank vanished before its shared tensors were fetched
-            rank.failure = (time.time(), f"rank {rank.index}'s result could not be received: {exc!r}")
+            detail = i18n.tr("rank {rank}'s result could not be received: {error}")
+            rank.failure = (time.time(), detail.format(rank=rank.index, error=repr(exc)))
         finally:
             conn.close()
         if isinstance(rank.reply, Failed) and rank.failure is None:
@@ -350,13 +359,19 @@ def rank_environment(env: dict[str, str | None] | None = None) -> tuple[tuple[st
     environ = dict(os.environ)
     for key, value in (env or {}).items():
         if not isinstance(key, str) or not key or "=" in key:
-            raise ValueError(f"env: variable names must be non-empty strings without '=', got {key!r}")
+            raise ValueError(
+                i18n.tr("env: variable names must be non-empty strings without '=', got {key}").format(key=repr(key))
+            )
         if value is None:
             environ.pop(key, None)
         elif isinstance(value, str):
             environ[key] = value
         else:
-            raise ValueError(f"env: the value of {key} must be a string or None (to remove it), got {value!r}")
+            raise ValueError(
+                i18n.tr("env: the value of {key} must be a string or None (to remove it), got {value}").format(
+                    key=key, value=repr(value)
+                )
+            )
     return tuple(sorted(environ.items()))
 
 
@@ -366,8 +381,8 @@ def _describe_exit(rank: int, exitcode) -> str:
             name = signal.Signals(-exitcode).name
         except ValueError:
             name = str(-exitcode)
-        return f"rank {rank} was killed by signal {name}"
-    return f"rank {rank} exited with code {exitcode} without returning a result"
+        return i18n.tr("rank {rank} was killed by signal {signal}").format(rank=rank, signal=name)
+    return i18n.tr("rank {rank} exited with code {code} without returning a result").format(rank=rank, code=exitcode)
 
 
 # ------------------------------------------------------------------ the entry point
@@ -426,7 +441,7 @@ def launch(
         environ=rank_environment(env),
     )
     output = RankOutput(world_size, quiet=quiet, stream=stream)
-    output.say(f"launch: {the_plan.describe()}\n")
+    output.say(f"launch: {the_plan.describe()}\n")  # "launch:" is a fixed tag; the description is translated
     started = time.monotonic()
     run = _run_to_the_end(task, timeout, output)
     results = Results(r.reply.value for r in run.ranks)

@@ -16,10 +16,11 @@ from torch import nn
 from torch.utils.data import DataLoader
 
 import distcourse  # noqa: F401
-from distcourse import libraries
+from distcourse import libraries, number, tr
 
 
 def main():
+    libraries.use_script_language()
     args = libraries.script_arguments()
     accelerator = Accelerator(cpu=torch.cuda.device_count() < libraries.WORLD_SIZE)
     ready = libraries.seconds_since_start()
@@ -39,14 +40,14 @@ def main():
         losses.append(accelerator.reduce(loss.detach(), reduction="mean").item())  # the global batch's loss
     rank, world_size, backend = accelerator.process_index, accelerator.num_processes, torch.distributed.get_backend()
     ranks = libraries.rank_facts(first)
-    libraries.say(
-        rank,
-        f"world size {world_size}, backend {backend}, {accelerator.distributed_type}, "
-        f"model wrapped in {type(wrapped).__name__}, {len(losses)} steps, final loss {losses[-1]:.6f}",
+    text = tr(
+        "world size {world}, backend {backend}, {kind}, model wrapped in {wrapper}, {steps} steps, final loss {loss}"
     )
-    libraries.say(
-        rank, f"process start to Accelerator {ready:.1f} s, training {libraries.seconds_since_start() - ready:.1f} s"
-    )
+    facts = {"world": world_size, "backend": backend, "kind": accelerator.distributed_type, "steps": len(losses)}
+    libraries.say(rank, text.format(**facts, wrapper=type(wrapped).__name__, loss=number(losses[-1], 6)))
+    training = libraries.seconds_since_start() - ready
+    text = tr("process start to Accelerator {ready} s, training {training} s")
+    libraries.say(rank, text.format(ready=number(ready, 1), training=number(training, 1)))
     if accelerator.is_main_process:
         result = libraries.record("accelerate", losses, accelerator.unwrap_model(wrapped), ranks)
         result.update(

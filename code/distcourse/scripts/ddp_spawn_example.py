@@ -6,10 +6,14 @@ Every rank builds a tiny model, joins the process group, wraps the model in DDP,
 takes one optimizer step on its own random batch and leaves the group. The ranks
 start from *different* random weights on purpose: DDP copies rank 0's weights to
 every rank when it wraps the model, so they agree anyway.
+
+What the ranks print is in the language of the notebook that started the program
+(``DISTCOURSE_LANG``), English otherwise; the ``result`` line is for programs to read.
 """
 
 import argparse
 import datetime
+import json
 import os
 import socket
 import sys
@@ -19,6 +23,8 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
+
+from distcourse.runtime import i18n
 
 
 class ToyModel(nn.Module):
@@ -42,6 +48,11 @@ def say(line: str) -> None:
     text and the newline separately, letting another rank's line slip in between."""
     sys.stdout.write(line + "\n")
     sys.stdout.flush()
+
+
+def speak_the_notebooks_language() -> None:
+    """Print in the language of the notebook that started this program (or English)."""
+    i18n.use(i18n.script_language())
 
 
 def checksum(model: nn.Module) -> float:
@@ -73,6 +84,7 @@ def join_group(rank: int, world_size: int, device: torch.device) -> str:
 
 def train(rank: int, world_size: int, port: int) -> None:
     """What every rank runs; mp.spawn passes the rank as the first argument."""
+    speak_the_notebooks_language()  # a new interpreter: nothing of main()'s state came along
     os.environ["MASTER_ADDR"] = "127.0.0.1"  # rank 0 listens here, the others connect
     os.environ["MASTER_PORT"] = str(port)
     # gloo connects over the interface the hostname resolves to; on one machine, use loopback
@@ -93,23 +105,33 @@ def train(rank: int, world_size: int, port: int) -> None:
         loss = nn.functional.mse_loss(ddp(x), y)
         loss.backward()  # DDP averages the gradients across ranks during backward
         optimizer.step()
-        say(
-            f"rank {rank}/{world_size} ({backend}, {device}): loss {loss.item():.4f} | weight sum "
-            f"before DDP {before:+.6f} | after wrapping {wrapped:+.6f} | after the step {checksum(model):+.6f}"
+        after = checksum(model)
+        text = i18n.tr(
+            "rank {rank}/{world} ({backend}, {device}): loss {loss} | weight sum "
+            "before DDP {before} | after wrapping {wrapped} | after the step {after}"
         )
+        numbers = {"before": before, "wrapped": wrapped, "after": after}
+        shown = {name: i18n.number(value, 6) for name, value in numbers.items()}
+        say(
+            text.format(
+                rank=rank, world=world_size, backend=backend, device=device, loss=i18n.number(loss.item(), 4), **shown
+            )
+        )
+        say("result " + json.dumps({"rank": rank, **numbers}))  # the same numbers, for a program to read
     finally:
         dist.destroy_process_group()  # always leave the group, even after an error
 
 
 def main() -> None:
+    speak_the_notebooks_language()
     parser = argparse.ArgumentParser(description="the basic DDP example, started with mp.spawn")
     parser.add_argument("--world-size", type=int, default=2)
     world_size = parser.parse_args().world_size
     port = free_port()
-    say(f"spawning {world_size} ranks; MASTER_ADDR=127.0.0.1 MASTER_PORT={port}")
+    say(i18n.tr("spawning {n} ranks; MASTER_ADDR=127.0.0.1 MASTER_PORT={port}").format(n=world_size, port=port))
     # A new Python interpreter per rank; join=True waits for all of them and raises if one fails.
     mp.spawn(train, args=(world_size, port), nprocs=world_size, join=True)
-    say("all ranks finished")
+    say(i18n.tr("all ranks finished"))
 
 
 if __name__ == "__main__":

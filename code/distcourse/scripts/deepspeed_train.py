@@ -19,7 +19,7 @@ from torch import nn
 from torch.utils.data import DataLoader, DistributedSampler
 
 import distcourse  # noqa: F401
-from distcourse import libraries
+from distcourse import libraries, number, tr
 from distcourse.common.training import global_mean
 
 
@@ -55,6 +55,7 @@ def full_weights(engine, stage: int) -> dict:
 
 
 def main():
+    libraries.use_script_language()
     args = libraries.script_arguments()
     on_gpus = torch.accelerator.device_count() >= libraries.WORLD_SIZE
     if on_gpus:
@@ -81,16 +82,15 @@ def main():
     ranks = libraries.rank_facts(first)
     weights = full_weights(engine, args.zero_stage)
     backend = torch.distributed.get_backend()
-    libraries.say(
-        rank,
-        f"world size {world_size}, backend {backend}, ZeRO stage {engine.zero_optimization_stage()}, "
-        f"optimizer {type(optimizer).__name__}, {len(losses)} steps, final loss {losses[-1]:.6f}",
+    text = tr(
+        "world size {world}, backend {backend}, ZeRO stage {stage}, optimizer {optimizer}, "
+        "{steps} steps, final loss {loss}"
     )
-    libraries.say(
-        rank,
-        f"process start to process group {ready:.1f} s, "
-        f"engine and training {libraries.seconds_since_start() - ready:.1f} s",
-    )
+    facts = {"world": world_size, "backend": backend, "stage": engine.zero_optimization_stage(), "steps": len(losses)}
+    libraries.say(rank, text.format(**facts, optimizer=type(optimizer).__name__, loss=number(losses[-1], 6)))
+    training = libraries.seconds_since_start() - ready
+    text = tr("process start to process group {ready} s, engine and training {training} s")
+    libraries.say(rank, text.format(ready=number(ready, 1), training=number(training, 1)))
     if rank == 0:
         result = libraries.record("deepspeed", losses, model, ranks)
         inner = type(optimizer.optimizer)  # the torch optimizer that ZeRO's wrapper steps on its partition

@@ -14,7 +14,7 @@ from torch import nn
 from torch.utils.data import DataLoader, DistributedSampler
 
 import distcourse  # noqa: F401  (first: makes torchvision importable, which Lightning imports)
-from distcourse import libraries
+from distcourse import libraries, number, tr
 
 
 class DigitsModule(pl.LightningModule):
@@ -52,6 +52,7 @@ def default_training_sampler(trainer, dataset):
 
 
 def main():
+    libraries.use_script_language()
     args = libraries.script_arguments()
     dataset = libraries.load_task(args.data)
     module = DigitsModule(dataset)
@@ -69,12 +70,13 @@ def main():
     trainer.fit(module)
     rank, world_size, backend = trainer.global_rank, trainer.world_size, torch.distributed.get_backend()
     ranks = libraries.rank_facts(module.first_batch)
+    text = tr("world size {world}, backend {backend}, model wrapped in {wrapper}, {steps} steps, final loss {loss}")
+    facts = {"world": world_size, "backend": backend, "wrapper": module.wrapper, "steps": len(module.losses)}
+    libraries.say(rank, text.format(**facts, loss=number(module.losses[-1], 6)))
+    fit = libraries.seconds_since_start() - ready
     libraries.say(
-        rank,
-        f"world size {world_size}, backend {backend}, model wrapped in {module.wrapper}, "
-        f"{len(module.losses)} steps, final loss {module.losses[-1]:.6f}",
+        rank, tr("process start to Trainer {ready} s, fit {fit} s").format(ready=number(ready, 1), fit=number(fit, 1))
     )
-    libraries.say(rank, f"process start to Trainer {ready:.1f} s, fit {libraries.seconds_since_start() - ready:.1f} s")
     if rank == 0:
         result = libraries.record("lightning", module.losses, module.model, ranks)
         launcher = trainer.strategy.launcher
