@@ -16,6 +16,8 @@ from __future__ import annotations
 import sys
 import time
 
+from .i18n import tr
+
 LIVE_LINES = 12  # lines of the live view; the final view has everything
 REFRESH_S = 0.25  # the live view is redrawn at most this often
 
@@ -65,7 +67,7 @@ class RankOutput:
         if not self.live or (not force and time.monotonic() - self.drawn_at < REFRESH_S):
             return
         progress = [labelled(r, [final_state(p)]) for r, p in self.partial.items() if final_state(p)]
-        self._show("".join(self.recent + progress) or "(waiting for the ranks' first output)\n")
+        self._show("".join(self.recent + progress) or tr("(waiting for the ranks' first output)") + "\n")
         self.drawn_at = time.monotonic()
 
     def _show(self, text: str) -> None:
@@ -92,7 +94,7 @@ class RankOutput:
         grouped = "".join(labelled(rank, self._all_lines(rank)) for rank in self.lines)
         if self.live:
             if grouped or self.handle is not None:
-                self._show(grouped or "(the ranks printed nothing)\n")
+                self._show(grouped or tr("(the ranks printed nothing)") + "\n")
         elif self.stream:
             self.say("".join(labelled(r, [final_state(p)]) for r, p in self.partial.items() if final_state(p)))
         else:

@@ -95,7 +95,10 @@ def run_rank(rank: int, task: Task, conn, output) -> None:
     try:
         parent.reply(Returned(value), task.share_tensors)
     except Exception as exc:  # the return value itself cannot travel back
-        message = f"rank {rank} returned a value that cannot be pickled: {exc!r}\n"
+        message = (
+            i18n.tr("rank {rank} returned a value that cannot be pickled: {error}").format(rank=rank, error=repr(exc))
+            + "\n"
+        )
         parent.reply(Failed(message, time.time()), False)  # not sent yet: the pickling failed first
         sys.exit(1)
     parent.wait_until_received()
@@ -203,4 +206,9 @@ def _init_process_group(task: Task, rank: int, store, timeout, device_id) -> Non
         if dist.is_initialized():
             dist.destroy_process_group()
         if error is not None:
-            print(f"init_process_group attempt {attempt + 1} failed, retrying: {str(error)[:200]}", file=sys.stderr)
+            print(
+                i18n.tr("init_process_group attempt {attempt} failed, retrying: {error}").format(
+                    attempt=attempt + 1, error=str(error)[:200]
+                ),
+                file=sys.stderr,
+            )
