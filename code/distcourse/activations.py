@@ -8,7 +8,11 @@
 4. checkpointing: ``forward_backward`` runs a model with none, full or selective activation
    checkpointing and reports the saved bytes, the matrix products run in backward, the
    time and the gradients;
-5. ``calculator_html``: the same formulas as a small page widget that needs no kernel.
+5. ``estimate_memory``: a whole FSDP2 training step's bytes per rank, estimated by PyTorch's
+   ``FSDPMemTracker`` on fake tensors (no memory allocated, no real ranks), and
+   ``measure_memory``, the same step for real, measured by the GPU's allocator;
+6. ``calculator_html``: the formulas as a small page widget that needs no kernel, for both
+   ways of splitting 16 bytes per parameter (``common.memory.LAYOUTS``).
 
 ``saved_bytes`` and ``block_formula`` live in ``common/memory.py`` (chapter 10 and the
 capstone count with them too); this module imports them, so ``activations.saved_bytes`` works.
@@ -20,17 +24,21 @@ backward will need, on any device.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import json
 
 import torch
+import torch.distributed as dist
 from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
 
-from .common.memory import block_formula, local_bytes, saved_bytes, zero_bytes
+from .common.memory import LAYOUTS, block_formula, local_bytes, saved_bytes, zero_bytes
 from .common.models import transformer
 from .common.timing import clock
+from .runtime.hardware import rank_device
+from .runtime.i18n import tr
 
 MODES = ("none", "full", "selective")
 
@@ -104,7 +112,7 @@ def forward_backward(
 ):
     """Forward and backward passes of the same model and input with checkpointing ``mode``.
 
-    Returns what is kept for backward (bytes), the matrix products run during backward,
+    Returns what is kept for backward (bytes), the matrix products run in forward and in backward,
     the fastest of ``repeats`` timed passes (after one untimed warm-up) and the gradients
     (to compare the modes bitwise). What the hooks cannot see: selective checkpointing keeps
     the outputs it must save in storage of its own, so those bytes are counted as the
@@ -125,12 +133,170 @@ def forward_backward(
         if attempt:  # the first pass warms up the allocator and the kernels: not timed
             times.append(clock() - started)
     kept = hooked + (forward.output_bytes if mode == "selective" else 0)
-    return {"saved": kept, "backward_matmuls": backward.count, "seconds": min(times), "grads": grads}
+    return {
+        "saved": kept,
+        "forward_matmuls": forward.count,
+        "backward_matmuls": backward.count,
+        "seconds": min(times),
+        "grads": grads,
+    }
+
+
+# --------------------------------------------------------------------------------------
+# Estimating a training step's memory before running it
+# --------------------------------------------------------------------------------------
+
+# FSDPMemTracker's names for what it counts, as the reader sees them.
+TRACKED = ("Sharded Param", "Unsharded Param", "All Gather", "Sharded Grad", "Unsharded Grad", "OptState")
+TRACKED += ("Activation", "Temp", "Reduce Scatter", "Inputs", "Buffer")
+
+
+def tracked_label(kind: str) -> str:
+    """What one of FSDPMemTracker's categories holds, in the reader's language."""
+    words = {
+        "Sharded Param": tr("sharded weights"),
+        "Unsharded Param": tr("gathered weights of the computing unit"),
+        "All Gather": tr("all-gather buffer"),
+        "Sharded Grad": tr("sharded gradients"),
+        "Unsharded Grad": tr("full-size gradients"),
+        "OptState": tr("Adam states"),
+        "Activation": tr("activations"),
+        "Temp": tr("temporaries of backward"),
+        "Reduce Scatter": tr("reduce-scatter buffer"),
+        "Inputs": tr("input batch"),
+        "Buffer": tr("buffers"),
+        "Total": tr("total"),
+    }
+    return words.get(kind, kind)
+
+
+@contextlib.contextmanager
+def pretend_ranks(world_size: int):
+    """A default process group of ``world_size`` ranks inside this one process, which sends nothing.
+
+    Each collective returns at once with tensors of the right shape (their values are wrong),
+    which is all a memory estimate needs: FSDP2 behaves as on rank 0 of ``world_size``.
+    """
+    # A private module: torch's "fake" backend and its store have no public home (torch's own
+    # init_process_group imports this module when asked for "fake" without a store).
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=world_size)
+    try:
+        yield
+    finally:
+        dist.destroy_process_group()
+
+
+def _snapshot(tracker, which: str, device_type: str) -> dict:
+    """A tracker snapshot as ``{category name: bytes}`` for the device of that type."""
+    for device, parts in tracker.get_tracker_snapshot(which).items():
+        if device.type == device_type:
+            return {getattr(k, "value", k): v for k, v in parts.items()}
+    return {}
+
+
+def estimate_memory(
+    world_size: int = 8,
+    *,
+    layers: int = 4,
+    hidden: int = 64,
+    heads: int = 4,
+    batch: int = 8,
+    seq: int = 64,
+    device_type: str = "cpu",
+    steps: int = 2,
+) -> dict:
+    """Bytes one rank of FSDP2 training with Adam would hold, estimated without allocating them.
+
+    The model, its shards, the batch and every intermediate are fake tensors (shape, dtype and
+    device, no memory); the ranks are ``pretend_ranks``. ``FSDPMemTracker`` follows each
+    tensor's storage as FSDP2 creates and frees it, by category. The model is ``transformer``,
+    each block its own FSDP unit; ``steps`` steps, so that Adam's states exist in the last.
+    Returns the categories at the peak (over all steps: the last one's, which holds Adam's
+    states) and after the last optimizer step.
+    """
+    # Private modules: FakeTensorMode and FSDPMemTracker have no public import path yet.
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    from torch.distributed._tools.fsdp2_mem_tracker import FSDPMemTracker
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    with pretend_ranks(world_size):
+        mesh = init_device_mesh(device_type, (world_size,))  # outside the fake mode: it reads real ranks
+        with FakeTensorMode(), torch.device(device_type):
+            model = transformer(hidden, heads, layers)
+            for block in model:
+                fully_shard(block, mesh=mesh)
+            fully_shard(model, mesh=mesh)
+            optimizer = torch.optim.Adam(model.parameters())
+            x = torch.randn(batch, seq, hidden)
+            tracker = FSDPMemTracker(model, optimizer)
+            tracker.track_inputs((x,))
+            with tracker:
+                for step in range(steps):
+                    model(x).square().mean().backward()
+                    optimizer.step()
+                    after_step = _snapshot(tracker, "current", device_type)
+                    optimizer.zero_grad()
+                    if step == 0:  # forget the first step's per-module records: the tracker
+                        tracker.reset_mod_stats()  # refuses a second forward of the root otherwise
+        return {"peak": _snapshot(tracker, "peak", device_type), "after step": after_step}
+
+
+def measure_memory(*, layers: int, hidden: int, heads: int, batch: int, seq: int, snapshot: str | None = None) -> dict:
+    """Rank function: the training ``estimate_memory`` describes, for real; on a GPU, its peak bytes.
+
+    The caching allocator counts every byte it hands out: ``max_memory_allocated`` after the
+    two steps, minus what was allocated before the model, is the number to compare with the
+    estimate (PyTorch's own tests of the tracker allow 10%). With ``snapshot`` (a file path),
+    the allocator also records every allocation with its stack and writes them there, for
+    https://pytorch.org/memory_viz. On a CPU there is no allocator to ask: returns None.
+    """
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    device = rank_device()
+    if device.type != "cuda":
+        return {"peak": None, "snapshot": None}
+    nn.Linear(8, 8, device=device)(torch.randn(2, 8, device=device)).sum().backward()  # cuBLAS workspace: not ours
+    torch.cuda.reset_peak_memory_stats(device)
+    before = torch.cuda.memory_allocated(device)
+    if snapshot:  # a private API, the only way to record the allocator's history
+        torch.cuda.memory._record_memory_history(max_entries=100_000)
+    mesh = init_device_mesh("cuda", (dist.get_world_size(),))
+    model = transformer(hidden, heads, layers).to(device)
+    for block in model:
+        fully_shard(block, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    optimizer = torch.optim.Adam(model.parameters())
+    x = torch.randn(batch, seq, hidden, device=device)
+    for _ in range(2):
+        model(x).square().mean().backward()
+        optimizer.step()
+        optimizer.zero_grad()
+    peak = torch.cuda.max_memory_allocated(device) - before
+    if snapshot:
+        torch.cuda.memory._dump_snapshot(snapshot)
+        torch.cuda.memory._record_memory_history(enabled=None)
+    return {"peak": peak, "snapshot": snapshot}
 
 
 # --------------------------------------------------------------------------------------
 # The calculator widget
 # --------------------------------------------------------------------------------------
+
+
+def layout_label(layout: str) -> str:
+    """How each ``LAYOUTS`` entry splits 16 bytes per parameter, in the reader's language."""
+    words = {
+        "pytorch": tr("PyTorch autocast / FSDP2: fp32 weights and gradients, Adam m and v (4 + 4 + 8)"),
+        "master weights": tr(
+            "DeepSpeed / Megatron: 16-bit weights and gradients, fp32 master weights, m and v (2 + 2 + 12)"
+        ),
+    }
+    return words[layout]
+
 
 # The formulas of this module in JavaScript, so the widget works in a static page.
 _CALCULATOR_JS = """
@@ -159,9 +325,7 @@ def calculator(
     seq: int,
     ranks: int = 1,
     stage: int = 0,
-    pbytes: float = 2,
-    gbytes: float = 2,
-    obytes: float = 12,
+    layout: str = "pytorch",
     abytes: int = 2,
     flash: bool = True,
     checkpoint: bool = False,
@@ -169,22 +333,53 @@ def calculator(
     """What the widget computes, in Python: bytes per GPU for a stack of ``Block``s.
 
     Model states: 12·h² weights per block (qkv 3h², proj h², MLP 8h²; biases and norms
-    left out), times the bytes per parameter of each part, sharded by the ZeRO ``stage``.
-    Activations: ``block_formula`` per block; with full checkpointing every block keeps only
-    its input and one block at a time is recomputed in backward.
+    left out), times the bytes per parameter of each part in ``LAYOUTS[layout]``, sharded by
+    the ZeRO ``stage``. Activations: ``block_formula`` per block in ``abytes`` bytes per value;
+    with full checkpointing every block keeps only its input and one block at a time is
+    recomputed in backward.
     """
     params = 12 * layers * hidden * hidden
-    model = sum(zero_bytes(params, ranks, stage, {"params": pbytes, "grads": gbytes, "optimizer": obytes}).values())
+    model = sum(zero_bytes(params, ranks, stage, LAYOUTS[layout]).values())
     per_layer = block_formula(batch, seq, hidden, heads, "sdpa" if flash else "naive", abytes)
     kept = batch * seq * hidden * abytes
     activations = layers * kept + per_layer if checkpoint else layers * per_layer
     return {"params": params, "model": model, "activations": activations, "total": model + activations}
 
 
-def calculator_html(labels: dict, defaults: dict | None = None) -> str:
+_UPDATE_JS = """
+(function () {
+  const ids = ["layers", "hidden", "heads", "batch", "seq", "ranks", "stage"];
+  const text = TEXT, layouts = LAYOUTS_BYTES;
+  const fmt = (x, d) => new Intl.NumberFormat(text.language,
+                                              {minimumFractionDigits: d, maximumFractionDigits: d}).format(x);
+  const gb = x => fmt(x / 1e9, 1) + " " + text.gb;
+  function update() {
+    const v = {abytes: 2};
+    ids.forEach(k => v[k] = Number(document.getElementById("UID-" + k).value));
+    v.stage = Math.max(0, Math.min(3, Math.round(v.stage)));
+    v.flash = document.getElementById("UID-flash").checked;
+    v.checkpoint = document.getElementById("UID-checkpoint").checked;
+    const results = Object.keys(layouts).map(name => [name, distcourseMemory(Object.assign({}, v,
+      {pbytes: layouts[name][0], gbytes: layouts[name][1], obytes: layouts[name][2]}))]);
+    const first = results[0][1];
+    const lines = [text.params + ": " + fmt(first.params / 1e9, 2) + " " + text.billion + " · " +
+                   text.activations + ": " + gb(first.activations)];
+    results.forEach(([name, r]) => lines.push(text.layouts[name] + ": " + text.model + " " + gb(r.model) +
+                                              " · " + text.total + " " + gb(r.total)));
+    document.getElementById("UID-out").textContent = lines.join("\\n");
+  }
+  document.querySelectorAll("[id^=UID-]").forEach(e => e.addEventListener("input", update));
+  update();
+})();
+"""
+
+
+def calculator_html(labels: dict, defaults: dict | None = None, language: str = "en") -> str:
     """A form that recomputes ``calculator`` in the browser as the reader types; no kernel.
 
-    ``labels`` are the visible texts, already in the chapter's language.
+    ``labels`` are the visible texts, already in the chapter's language; ``language`` writes
+    the numbers the way its readers do. One line per ``LAYOUTS`` entry: at ZeRO-3 both give
+    the same total, at stages 1 and 2 they do not.
     """
     values = {"layers": 32, "hidden": 4096, "heads": 32, "batch": 1, "seq": 4096, "ranks": 8, "stage": 3}
     values.update(defaults or {})
@@ -199,32 +394,16 @@ def calculator_html(labels: dict, defaults: dict | None = None) -> str:
         f"{labels[k]}</label>"
         for k, on in (("flash", True), ("checkpoint", False))
     )
-    script = f"""
-<script>
-{_CALCULATOR_JS}
-(function () {{
-  const ids = ["layers", "hidden", "heads", "batch", "seq", "ranks", "stage"];
-  const labels = {json.dumps({k: labels[k] for k in ("params", "model", "activations", "total")})};
-  function update() {{
-    const v = {{pbytes: 2, gbytes: 2, obytes: 12, abytes: 2}};
-    ids.forEach(k => v[k] = Number(document.getElementById("{uid}-" + k).value));
-    v.stage = Math.max(0, Math.min(3, Math.round(v.stage)));
-    v.flash = document.getElementById("{uid}-flash").checked;
-    v.checkpoint = document.getElementById("{uid}-checkpoint").checked;
-    const r = distcourseMemory(v);
-    const gb = x => (x / 1e9).toFixed(1) + " GB";
-    document.getElementById("{uid}-out").textContent =
-      labels.params + ": " + (r.params / 1e9).toFixed(2) + "B · " + labels.model + ": " + gb(r.model) +
-      " · " + labels.activations + ": " + gb(r.activations) + " · " + labels.total + ": " + gb(r.total);
-  }}
-  document.querySelectorAll("[id^={uid}-]").forEach(e => e.addEventListener("input", update));
-  update();
-}})();
-</script>"""
+    text = {k: labels[k] for k in ("params", "model", "activations", "total")}
+    text |= {"language": language, "gb": tr("GB"), "billion": tr("billion")}
+    text["layouts"] = {name: layout_label(name) for name in LAYOUTS}
+    layouts = {name: [b["params"], b["grads"], b["optimizer"]] for name, b in LAYOUTS.items()}
+    update = _UPDATE_JS.replace("TEXT", json.dumps(text, ensure_ascii=False)).replace("UID", uid)
+    script = f"<script>\n{_CALCULATOR_JS}{update.replace('LAYOUTS_BYTES', json.dumps(layouts))}</script>"
     return (
         f'<div class="distcourse-calculator" style="border:1px solid #ccc;padding:8px;border-radius:4px">'
         f"<div>{fields}</div><div>{boxes}</div>"
-        f'<p id="{uid}-out" style="font-weight:bold;margin:6px 0 0 0"></p></div>{script}'
+        f'<p id="{uid}-out" style="font-weight:bold;margin:6px 0 0 0;white-space:pre-line"></p></div>{script}'
     )
 
 

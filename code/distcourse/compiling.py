@@ -183,9 +183,11 @@ def ddp_train(compiled: bool = True, bucket_cap_mb: float = 25.0, steps: int = 1
 
     Compiled, TorchDynamo's DDP optimizer cuts the forward graph where DDP's gradient
     buckets end, so that each bucket's all-reduce can start while backward is still
-    running through the graphs before it; the number of graphs equals DDP's number of
-    buckets. Returns the global losses, the seconds of the first and later steps, the
-    graphs compiled and the buckets DDP made.
+    running through the graphs before it. The graphs follow DDP's buckets, except that
+    Dynamo always caps its first piece at DDP's *default* first-bucket size (1 MiB), while
+    DDP, given ``bucket_cap_mb``, makes its first bucket that size too. Returns the global
+    losses, the seconds of the first and later steps, the graphs compiled and the buckets
+    DDP made.
     """
     device = rank_device()
     model = wrap_ddp(Net().to(device), device, bucket_cap_mb=bucket_cap_mb)
@@ -219,9 +221,11 @@ def ddp_train(compiled: bool = True, bucket_cap_mb: float = 25.0, steps: int = 1
 def fsdp_train(compiled: bool = True, layers: int = 4, steps: int = 4) -> dict:
     """Rank function: FSDP2 on a transformer, each block its own unit and, if ``compiled``, its own graph.
 
-    Per-block compile (what torchtitan does) keeps FSDP2's all-gathers and reduce-scatters
-    outside the compiled graphs, between the blocks, where its hooks run them; and since all
-    blocks have the same code and shapes, one compiled graph serves all of them.
+    Per-block compile keeps FSDP2's all-gathers and reduce-scatters outside the compiled
+    graphs, between the blocks, where its hooks run them; and since all blocks have the same
+    code and shapes, their graphs are shared. Here ``fully_shard`` comes first and
+    ``block.compile()`` after; torchtitan compiles each block first (``fullgraph=True``) and
+    shards the compiled module, which also keeps the hooks outside.
     """
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard

@@ -9,7 +9,9 @@ and each checked against ``reference``, the same computation in one process:
   every micro-batch or only after the last (``set_requires_gradient_sync``);
 - ``reshard``: ``reshard_after_forward`` True or False, the collectives of a step and the
   weights held between forward and backward;
-- ``offload``: ``CPUOffloadPolicy``, and why its default (pinned memory) needs a GPU.
+- ``offload``: ``CPUOffloadPolicy``, and why its default (pinned memory) needs a GPU;
+- ``token_mean``: the loss of batches with uneven numbers of valid targets, averaged per
+  rank (biased) and per token over all ranks (what one process computes, ``token_reference``).
 
 Collectives are counted with ``CommDebugMode``, which sees every collective issued through
 ``torch.distributed`` while it is active. Rank functions live here because rank processes
@@ -27,8 +29,21 @@ from .common.memory import local_bytes
 from .common.models import mlp
 from .common.sharded import count_collectives, full, local_part, make_model, rank_batch, shard_model
 from .runtime.hardware import rank_device
+from .runtime.i18n import tr
 
 LAYERS = 3  # Linear layers in make_model(): each is one FSDP unit
+
+
+def label(key: str) -> str:
+    """A mode of ``accumulate`` or ``token_mean`` as the reader sees it."""
+    words = {
+        "every": tr("sync every micro-batch"),
+        "last": tr("sync on the last"),
+        "last, unsharded": tr("sync on the last, weights kept"),
+        "mean of means": tr("mean of each rank's mean"),
+        "per token": tr("mean over all tokens"),
+    }
+    return words.get(key, key)
 
 
 def micro_batch(rank: int, world_size: int, index: int):
@@ -113,6 +128,68 @@ def accumulate(
         "first layer grad": first_grad,
         "grads": {n: full(p.grad).cpu() for n, p in model.named_parameters()},
     }
+
+
+IGNORE = -100  # the target value F.cross_entropy leaves out (its ignore_index): padding
+
+
+def valid_tokens(rank: int, index: int) -> int:
+    """How many of the 32 targets of rank ``rank``'s micro-batch ``index`` count; the rest are padding.
+
+    Uneven on purpose, as the tokens of variable-length sequences are: 32 and 32 on even
+    ranks, 8 and 16 on odd ones.
+    """
+    return 32 if rank % 2 == 0 else 8 * (index + 1)
+
+
+def padded_batch(rank: int, world_size: int, index: int):
+    """``micro_batch`` with the targets after the first ``valid_tokens`` set to ``IGNORE``."""
+    x, y = micro_batch(rank, world_size, index)
+    y = y.clone()
+    y[valid_tokens(rank, index) :] = IGNORE
+    return x, y
+
+
+def token_reference(world_size: int, micro_batches: int = 2) -> dict:
+    """One process: the mean loss over every valid target of every rank and micro-batch, and its gradients."""
+    model = make_model()
+    batches = [padded_batch(r, world_size, i) for i in range(micro_batches) for r in range(world_size)]
+    x, y = torch.cat([b[0] for b in batches]), torch.cat([b[1] for b in batches])
+    loss = F.cross_entropy(model(x), y, ignore_index=IGNORE)  # the mean over the valid targets only
+    loss.backward()
+    return {
+        "loss": loss.item(),
+        "tokens": int((y != IGNORE).sum()),
+        "grads": {n: p.grad.clone() for n, p in model.named_parameters()},
+    }
+
+
+def token_mean(micro_batches: int = 2) -> dict:
+    """Rank function: a step over uneven micro-batches, its loss averaged two ways.
+
+    "mean of means": each rank takes the mean over its own valid targets per micro-batch, as
+        ``F.cross_entropy`` does by default; FSDP2 then averages the gradients over the ranks.
+    "per token": each rank sums its losses and divides by the valid targets of *all* ranks
+        and micro-batches (one all-reduce of a count before the step), times the world size,
+        because FSDP2 (and DDP) divide the summed gradients by it.
+    Both on copies of the same sharded model; returns their losses and full gradients.
+    """
+    device, rank, world = rank_device(), dist.get_rank(), dist.get_world_size()
+    batches = [padded_batch(rank, world, i) for i in range(micro_batches)]
+    count = torch.tensor(float(sum(int((y != IGNORE).sum()) for _, y in batches)), device=device)
+    dist.all_reduce(count)  # every rank's valid targets: the denominator of the per-token mean
+    models = {name: shard_model(make_model().to(device)) for name in ("mean of means", "per token")}
+    losses = torch.zeros(2, device=device)
+    for x, y in batches:
+        x, y = x.to(device), y.to(device)
+        mean = F.cross_entropy(models["mean of means"](x), y, ignore_index=IGNORE) / micro_batches
+        mean.backward()
+        total = F.cross_entropy(models["per token"](x), y, ignore_index=IGNORE, reduction="sum") / count
+        (total * world).backward()  # undoes the division by the world size in the gradient reduction
+        losses += torch.stack([mean.detach() / world, total.detach()])
+    dist.all_reduce(losses)
+    grads = {name: {n: full(p.grad).cpu() for n, p in model.named_parameters()} for name, model in models.items()}
+    return {"tokens": int(count.item()), "losses": dict(zip(models, losses.tolist(), strict=True)), "grads": grads}
 
 
 def measure_collectives(cases: list[dict]) -> list[dict]:

@@ -4,7 +4,10 @@
 2. ``autocast_dtypes``: which dtype each operation produces inside ``torch.autocast``;
 3. ``underflow`` and ``scaler_skips_inf``: why fp16 gradients need loss scaling, and what
    ``GradScaler`` does when a scaled gradient overflows;
-4. rank functions: ``ddp_train`` (DDP with fp32, bf16 autocast or fp16 autocast + GradScaler)
+4. ``ring_sum``: why gradients are reduced in fp32: a bf16 sum over many ranks loses digits;
+5. ``matmul_precision``: what ``torch.set_float32_matmul_precision`` changes (TF32 on GPUs),
+   timed against bf16;
+6. rank functions: ``ddp_train`` (DDP with fp32, bf16 autocast or fp16 autocast + GradScaler)
    and ``fsdp_policy`` (FSDP2's ``MixedPrecisionPolicy``: the dtypes it really uses).
 
 Rank functions live here, not in the notebook, because rank processes import them by name.
@@ -12,6 +15,7 @@ Rank functions live here, not in the notebook, because rank processes import the
 
 from __future__ import annotations
 
+import contextlib
 import math
 
 import torch
@@ -21,10 +25,12 @@ from torch import nn
 
 from .common.datasets import digits_batch
 from .common.models import mlp
+from .common.numerics import relative_gap
 from .common.sharded import make_model, shard_model
-from .common.timing import clock
+from .common.timing import best_of, clock
 from .common.training import global_mean, wrap_ddp
 from .runtime.hardware import rank_device
+from .runtime.i18n import number, tr
 
 FORMATS = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
 PRECISIONS = ("fp32", "bf16", "fp16")
@@ -77,6 +83,25 @@ def autocast_dtypes(device_type: str = "cpu", dtype: torch.dtype = torch.bfloat1
     return dtypes
 
 
+def label(key: str) -> str:
+    """A key of this module's results as the reader sees it: format names as they are, words translated."""
+    words = {
+        "fp16, scaled": tr("fp16, scaled"),
+        "fp16, scaled then unscaled in fp32": tr("fp16, scaled then unscaled in fp32"),
+        "weight (parameter)": tr("weight (parameter)"),
+        "sharded parameter": tr("sharded parameter"),
+        "gathered parameter": tr("gathered parameter"),
+        "layer output": tr("layer output"),
+        "sharded gradient": tr("sharded gradient"),
+        "summed in bf16": tr("summed in bf16"),
+        "summed in fp32": tr("summed in fp32"),
+        "exact sum, rounded once to bf16": tr("exact sum, rounded once to bf16"),
+        "fp32, highest": tr('fp32, "highest" (default)'),
+        "fp32, high": tr('fp32, "high" (TF32 where available)'),
+    }
+    return words.get(key, key)
+
+
 def underflow(gradient: float = 2e-8, scale: float = 65536.0) -> dict:
     """A small gradient value stored in fp16 and bf16, with and without loss scaling."""
     g = torch.tensor(gradient)
@@ -104,6 +129,75 @@ def scaler_skips_inf(device_type: str = "cpu", init_scale: float = 1024.0) -> di
         "scale before": init_scale,
         "scale after": scaler.get_scale(),
     }
+
+
+def ring_sum(ranks: int = 256, size: int = 4096, seed: int = 0) -> dict:
+    """The sum of ``ranks`` bf16 gradients, added one rank at a time in bf16 and in fp32.
+
+    A ring all-reduce adds one rank's contribution per step and passes the partial sum on in
+    the reduction's dtype, so it is rounded to that dtype after every addition (chapter 03's
+    ring). Each gradient is the same true value plus noise of the same size, as gradients of
+    one parameter on different ranks are. Returns the relative gap of each sum to the exact
+    one (float64, of the same bf16 inputs) and the gap of the exact sum rounded once to bf16.
+    """
+    generator = torch.Generator().manual_seed(seed)
+    true = torch.randn(size, generator=generator) * 1e-3
+    grads = (true + torch.randn(ranks, size, generator=generator) * 1e-3).bfloat16()
+    exact = grads.double().sum(0)
+    sums = {}
+    for name in ("bf16", "fp32"):
+        partial = torch.zeros(size, dtype=FORMATS[name])
+        for g in grads:  # one step of the ring: add this rank's part, round to the dtype
+            partial = partial + g.to(FORMATS[name])
+        sums[f"summed in {name}"] = partial
+    sums["exact sum, rounded once to bf16"] = exact.bfloat16()
+    gaps = {how: relative_gap(total, exact) for how, total in sums.items()}
+    return {"ranks": ranks, "gaps": gaps, "sums": sums, "exact": exact}
+
+
+@contextlib.contextmanager
+def float32_matmul_precision(precision: str):
+    """``torch.set_float32_matmul_precision(precision)`` inside the block, the previous setting after it."""
+    before = torch.get_float32_matmul_precision()
+    torch.set_float32_matmul_precision(precision)
+    try:
+        yield
+    finally:
+        torch.set_float32_matmul_precision(before)
+
+
+def precision_switches(precision: str) -> dict:
+    """The backend switches that ``set_float32_matmul_precision(precision)`` turns, read back."""
+    with float32_matmul_precision(precision):
+        switches = {"torch.backends.cuda.matmul.allow_tf32": torch.backends.cuda.matmul.allow_tf32}
+        for backend in ("cuda", "mkldnn"):  # the per-backend settings of torch 2.9 and later
+            matmul = getattr(getattr(torch.backends, backend), "matmul", None)
+            if matmul is not None and hasattr(matmul, "fp32_precision"):
+                switches[f"torch.backends.{backend}.matmul.fp32_precision"] = matmul.fp32_precision
+    return switches
+
+
+def matmul_precision(device_type: str = "cpu", size: int = 4096, repeats: int = 5) -> dict:
+    """One fp32 matrix product under "highest" and "high", and the same product in bf16.
+
+    For each: the fastest of ``repeats`` synchronised runs after a warm-up, and the relative
+    gap to the product in float64. The product's dtype stays fp32 under every setting; only
+    how the hardware computes it changes. The setting is restored afterwards.
+    """
+    generator = torch.Generator().manual_seed(0)
+    a, b = (torch.randn(size, size, generator=generator).to(device_type) for _ in range(2))
+    exact = a.double() @ b.double()
+    runs = {}
+    for name, (x, y, precision) in {
+        "fp32, highest": (a, b, "highest"),
+        "fp32, high": (a, b, "high"),
+        "bf16": (a.bfloat16(), b.bfloat16(), "highest"),
+    }.items():
+        with float32_matmul_precision(precision):
+            out = x @ y
+            seconds = best_of(lambda x=x, y=y: x @ y, repeats, device_type, warmup=1)
+        runs[name] = {"seconds": seconds, "gap": relative_gap(out, exact), "dtype": out.dtype}
+    return runs
 
 
 # --------------------------------------------------------------------------------------
@@ -152,7 +246,11 @@ def ddp_train(precision: str = "fp32", steps: int = 30, width: int = 256, lr: fl
         losses.append(global_mean(loss))  # all ranks' mean: the loss of the whole global batch
     seconds = (clock(device) - started) / (steps - 1)
     if rank == 0:
-        print(f"{precision}: loss {losses[0]:.4f} -> {losses[-1]:.4f}, {seconds * 1e3:.2f} ms/step")
+        print(
+            tr("{precision}: loss {first} -> {last}, {ms} ms per step").format(
+                precision=precision, first=number(losses[0], 4), last=number(losses[-1], 4), ms=number(seconds * 1e3, 2)
+            )
+        )
     return {"losses": losses, "seconds_per_step": seconds}
 
 

@@ -63,6 +63,25 @@ def test_per_block_compile_under_fsdp2_trains_as_eager():
     assert 0 < compiled[0]["graphs"] <= 2
 
 
+@pytest.mark.slow
+def test_per_block_compile_adds_no_graph_for_more_blocks():
+    graphs = {
+        layers: distcourse.launch(
+            compiling.fsdp_train, world_size=2, kwargs={"layers": layers, "steps": 2}, quiet=True
+        )[0]["graphs"]
+        for layers in (2, 8)
+    }
+    assert graphs[2] == graphs[8] == 2  # the first block's input needs no gradient, the others' do
+
+
+@pytest.mark.slow
+def test_dynamo_caps_its_first_graph_at_one_mib_whatever_ddps_bucket_size():
+    large = distcourse.launch(
+        compiling.ddp_train, world_size=2, kwargs={"bucket_cap_mb": 25.0, "steps": 11}, quiet=True
+    )
+    assert large[0]["buckets"] == 1 and large[0]["graphs"] == 2
+
+
 def test_clipping_sharded_gradients_uses_the_whole_norm():
     clipped = distcourse.launch(fsdp_training.clip, world_size=2, kwargs={"max_norm": 0.5}, quiet=True)
     single = fsdp_training.reference(world_size=2, max_norm=0.5)
@@ -117,3 +136,23 @@ def test_collectives_exercise_accepts_the_rule_and_rejects_a_wrong_one(capsys):
     assert ch09.check_collectives(wrong) is False
     assert "measured" in capsys.readouterr().out
     assert ch09.check_collectives(lambda *args: None) is False
+
+
+def test_padded_batches_have_the_stated_numbers_of_valid_targets():
+    counts = [
+        [int((fsdp_training.padded_batch(r, 2, i)[1] != fsdp_training.IGNORE).sum()) for i in range(2)]
+        for r in range(2)
+    ]
+    assert counts == [[32, 32], [8, 16]]
+    assert fsdp_training.token_reference(world_size=2)["tokens"] == 88
+
+
+@pytest.mark.numerics
+def test_per_token_loss_equals_one_process_and_the_mean_of_means_does_not():
+    runs = distcourse.launch(fsdp_training.token_mean, world_size=2, kwargs={"micro_batches": 2}, quiet=True)
+    single = fsdp_training.token_reference(world_size=2, micro_batches=2)
+    assert runs[0]["losses"] == runs[1]["losses"] and runs[0]["tokens"] == single["tokens"]
+    numerics.assert_close(runs[0]["grads"]["per token"], single["grads"], terms=2 * 64)
+    numerics.assert_close(runs[0]["losses"]["per token"], single["loss"], terms=2 * 64)
+    assert numerics.relative_gap(runs[0]["grads"]["mean of means"], single["grads"]) > 0.1
+    assert {fsdp_training.label(k) for k in runs[0]["grads"]} == {"mean of each rank's mean", "mean over all tokens"}

@@ -1,7 +1,8 @@
 """Bytes of model states and activations: the formulas, and the counts to check them with.
 
 - ``zero_bytes``: the model states (weights, gradients, Adam's states) one rank holds under
-  each ZeRO stage (chapter 08), in bytes per parameter ``MIXED_ADAM`` or ``FP32_ADAM``;
+  each ZeRO stage (chapter 08), in bytes per parameter ``MIXED_ADAM`` or ``FP32_ADAM``
+  (``LAYOUTS`` names them after the frameworks that use them, chapter 09);
 - ``local_bytes``: the bytes of tensors this rank really holds (a DTensor: its shard only);
 - ``saved_bytes``: the bytes autograd keeps for backward, counted with hooks (chapter 09);
 - ``block_formula``: the same number for one transformer block, predicted from the shapes.
@@ -15,11 +16,16 @@ import torch
 
 from .sharded import local_part
 
-# Bytes per parameter for Adam. Mixed precision (ZeRO paper): 16-bit weights and gradients
-# for the forward and backward pass, and in the optimizer an fp32 master copy of the weights
-# plus Adam's two moments (4 + 4 + 4). Plain fp32: the weights are their own master copy.
+# Bytes per parameter for Adam. Mixed precision as in the ZeRO paper, DeepSpeed and Megatron:
+# 16-bit weights and gradients for the forward and backward pass, and in the optimizer an
+# fp32 master copy of the weights plus Adam's two moments (4 + 4 + 4). Plain fp32: the
+# weights are their own master copy. PyTorch's own mixed precision (autocast, FSDP2's
+# MixedPrecisionPolicy) keeps fp32 weights and gradients, so it holds FP32_ADAM too: the
+# 16-bit copies exist only while a layer computes. Both sum to 16 bytes, but they shard
+# differently: ZeRO stages 1 and 2 leave different amounts on each rank.
 MIXED_ADAM = {"params": 2, "grads": 2, "optimizer": 12}
 FP32_ADAM = {"params": 4, "grads": 4, "optimizer": 8}
+LAYOUTS = {"pytorch": FP32_ADAM, "master weights": MIXED_ADAM}
 PARTS = ("params", "grads", "optimizer")
 
 
