@@ -824,7 +824,7 @@ def check_nbval_item(item) -> str | None:
         return None
     lines = "\n".join(f"    {shorten(line, 110)}" for line in english)
     return (
-        f"English in the outputs of a {parts[-2]} chapter (issue 27): pass these lines through tr() "
+        f"English in the outputs of a {parts[-2]} chapter: pass these lines through tr() "
         f"and give them catalog entries (tools/lint_language.py, rule outputs):\n{lines}"
     )
 
