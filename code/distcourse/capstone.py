@@ -16,8 +16,13 @@ What it puts together: a byte-level corpus split into training and held-out text
 epoch, and able to start mid-epoch after a resume); FSDP2 on a ``dp`` mesh dimension and,
 with ``--tp``, tensor parallelism on a ``tp`` dimension (chapter 10's plan); bf16 autocast;
 activation checkpointing; evaluation on held-out text; a tqdm bar and logs on rank 0 only;
-asynchronous DCP checkpoints and exact resume; a final model gathered for one-process
+asynchronous DCP checkpoints and exact resume; a checkpoint resumed on another layout
+(``resume_resharded``: DCP reshards on load); a final model gathered for one-process
 inference, and a sample of generated text.
+
+Its sentences are in the reader's language (``DISTCOURSE_LANG`` for the program, the
+notebook's for ``launch``); what code reads back has a line of its own, a fixed tag and
+JSON, in every language: ``result {...}``, ``resume {...}``, ``kill {...}``.
 
 Builds on: ``tensor_parallel.py`` (chapter 10's ``tp_plan``), ``common/distributed.py``
 (process group setup, shared with chapter 07's ``train.py``), ``common/checkpoint_files.py``
@@ -45,6 +50,7 @@ from .common.distributed import check_launcher_env, choose_device, init_distribu
 from .common.models import gpt
 from .common.timing import clock
 from .runtime.hardware import rank_device
+from .runtime.i18n import number, script_language, tr, use
 from .tensor_parallel import tp_plan
 
 COURSE_CHAPTERS = pathlib.Path(__file__).resolve().parents[2] / "chapters" / "en"
@@ -258,6 +264,75 @@ def load_state(path: pathlib.Path, model, optimizer, group) -> None:
 
 
 # --------------------------------------------------------------------------------------
+# Resharding: a checkpoint written by one layout, resumed on another
+# --------------------------------------------------------------------------------------
+
+
+def start_at(sampler: ResumableSampler, step: int, per_epoch: int, batch_size: int) -> None:
+    """Point ``sampler`` at ``step``: that step's epoch (its shuffled order), minus the
+    samples of this rank the epoch has already used."""
+    sampler.set_epoch(step // per_epoch)
+    sampler.skip = (step % per_epoch) * batch_size
+
+
+def step_samples(dataset: Windows, dp_size: int, batch_size: int, step: int, seed: int = 0) -> list[list[int]]:
+    """The windows (indices into ``dataset``) that each of ``dp_size`` ranks trains on at
+    ``step``, by the rule ``train`` follows; one list per data-parallel rank."""
+    shares = []
+    for rank in range(dp_size):
+        sampler = ResumableSampler(dataset, num_replicas=dp_size, rank=rank, shuffle=True, seed=seed, drop_last=True)
+        start_at(sampler, step, len(sampler) // batch_size, batch_size)
+        shares.append(list(sampler)[:batch_size])
+    return shares
+
+
+def loaded_model(args, device: torch.device, world_size: int) -> dict:
+    """Build the model for this layout and load the newest complete checkpoint of
+    ``args.ckpt_dir`` into it: each rank reads only the slices its own shards need.
+
+    Returns the step, this rank's local shape of every parameter, and, on rank 0, the whole
+    tensors gathered from the shards (a collective: every rank calls it).
+    """
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import (
+        StateDictOptions,
+        get_model_state_dict,
+        set_model_state_dict,
+    )
+    from torch.distributed.tensor import DTensor
+
+    step, path, _ = latest_complete(args.ckpt_dir)
+    if path is None:
+        raise FileNotFoundError(f"no complete checkpoint in {args.ckpt_dir}")
+    model, _, _ = build_model(args, device, world_size)
+    state = {"model": get_model_state_dict(model)}  # the optimizer's entries stay on disk: a partial load
+    dcp.load(state, checkpoint_id=path)
+    set_model_state_dict(model, state["model"])
+    local = {
+        name: tuple(p.to_local().shape if isinstance(p, DTensor) else p.shape) for name, p in model.named_parameters()
+    }
+    full = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+    master = not dist.is_initialized() or dist.get_rank() == 0
+    return {"step": step, "local shapes": local, "model": full if master else None}
+
+
+def resume_resharded(argv: list[str], layouts: dict[str, list[str]]) -> dict:
+    """Rank function: resume the checkpoint in ``--ckpt-dir`` on this world size, once per layout.
+
+    ``layouts`` maps a name to the arguments that make it (``["--tp", "2", ...]``). For each:
+    what the load put on every rank (``loaded_model``), then the training continued by
+    ``main`` from that checkpoint to ``--steps``. Pass ``--save-every`` above ``--steps``:
+    a new checkpoint in the folder would be the next layout's starting point.
+    """
+    results = {}
+    for name, extra in layouts.items():
+        args = parse_args([*argv, *extra])
+        loaded = loaded_model(args, rank_device(), dist.get_world_size())
+        results[name] = {"loaded": loaded, "run": main([*argv, *extra])}
+    return results
+
+
+# --------------------------------------------------------------------------------------
 # The script
 # --------------------------------------------------------------------------------------
 
@@ -287,10 +362,11 @@ def main(argv=None) -> dict:
 def deterministic() -> None:
     """Make every kernel of this process deterministic, for bitwise-equal reruns and resumes.
 
-    Some GPU kernels add with atomics, in an order that changes from run to run;
-    ``use_deterministic_algorithms`` picks deterministic ones (or raises where none exists),
-    and cuBLAS needs a fixed workspace (``CUBLAS_WORKSPACE_CONFIG``) to be deterministic. On a
-    CPU the kernels this script uses are deterministic already: the flag changes nothing.
+    GPU kernels may add in an order that changes from run to run;
+    ``use_deterministic_algorithms`` picks deterministic ones (and raises, naming the
+    operation, where none exists), and cuBLAS needs a fixed workspace
+    (``CUBLAS_WORKSPACE_CONFIG``) to be deterministic. On a CPU the kernels this script uses
+    are deterministic already: the flag changes nothing.
     """
     os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
     torch.use_deterministic_algorithms(True)
@@ -333,21 +409,52 @@ def setup(args, rank: int, world_size: int, device: torch.device, attempt: int) 
         attempt=attempt,
     )
     if job.master:
-        say(
-            rank,
-            f"attempt {attempt}: {world_size} rank(s) on {device} (dp {dp_size} x tp {args.tp}), "
-            f"{torch.get_num_threads()} thread(s) each, {precision}, "
-            f"{sum(p.numel() for p in model.parameters()):,} parameters, corpus {len(train_bytes):,} + "
-            f"{len(held_bytes):,} bytes, {per_epoch} steps per epoch, {args.workers} loader worker(s) per rank",
-        )
-        if resumed_from is not None:
-            say(
-                rank,
-                f"resumed from {resumed_from.name}" + (f"; incomplete, ignored: {incomplete}" if incomplete else ""),
-            )
+        announce(job, args, world_size, (len(train_bytes), len(held_bytes)), resumed_from, incomplete)
         if args.out:
             args.out.mkdir(parents=True, exist_ok=True)
     return job
+
+
+def announce(job, args, world_size: int, corpus: tuple[int, int], resumed_from, incomplete: list[str]) -> None:
+    """Rank 0's first lines: what this attempt runs on and, after a restart, where it resumed.
+
+    Sentences for people go through ``tr`` (the reader's language); what code reads back
+    has a line of its own, a fixed tag and JSON (``resume {...}``), in every language.
+    """
+    say(
+        job.rank,
+        tr(
+            "attempt {attempt}: {ranks} rank(s) on {device} (dp {dp} x tp {tp}), {threads} thread(s) each, "
+            "{precision}, {params} parameters, corpus {train} + {held} bytes, {per_epoch} steps per epoch, "
+            "{workers} loader worker(s) per rank"
+        ).format(
+            attempt=job.attempt,
+            ranks=world_size,
+            device=job.device,
+            dp=job.dp_size,
+            tp=args.tp,
+            threads=torch.get_num_threads(),
+            precision=job.precision,
+            params=number(sum(p.numel() for p in job.model.parameters())),
+            train=number(corpus[0]),
+            held=number(corpus[1]),
+            per_epoch=job.per_epoch,
+            workers=args.workers,
+        ),
+    )
+    if resumed_from is not None:
+        sentence = tr("resumed from {checkpoint}").format(checkpoint=resumed_from.name)
+        if incomplete:
+            sentence += tr("; incomplete, ignored: {names}").format(names=", ".join(incomplete))
+        say(job.rank, sentence)
+        tag(job.rank, "resume", {"step": job.start, "checkpoint": resumed_from.name, "ignored": incomplete})
+
+
+def tag(rank: int, name: str, record: dict) -> None:
+    """A line for code to read back, the same in every language: ``[rank R] name {json}``
+    (``common.subprocesses.Result.json(rank, name)`` parses it). ``name`` is a word that no
+    sentence the script prints begins with (``resume``, not the sentence's "resumed from")."""
+    say(rank, f"{name} {json.dumps(record)}")
 
 
 def make_loader(args, dataset: Windows, dp_size: int, dp_rank: int, device: torch.device):
@@ -390,15 +497,15 @@ def train(args, rank: int, world_size: int, device: torch.device) -> dict:
     attempt = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
     job = setup(args, rank, world_size, device, attempt)
     show = {"auto": None, "on": False, "off": True}[args.progress]  # tqdm: None = only on a terminal
-    bar = tqdm(total=args.steps, initial=job.start, unit="step", disable=show if job.master else True)
-    run = SimpleNamespace(pending=[], saving=None, step=job.start, timed=None, curve={}, held={})
+    bar = tqdm(total=args.steps, initial=job.start, unit=tr("step"), disable=show if job.master else True)
+    run = SimpleNamespace(pending=[], saving=None, saves=[], step=job.start, timed=None, curve={}, held={})
     job.model.train()
     while run.step < args.steps:
-        job.sampler.set_epoch(run.step // job.per_epoch)  # a new order every epoch, the same on every rank
-        job.sampler.skip = (run.step % job.per_epoch) * args.batch_size  # mid-epoch after a resume
+        start_at(job.sampler, run.step, job.per_epoch, args.batch_size)  # the epoch's order; mid-epoch after a resume
         for inputs, targets in job.loader:
             if run.step == args.kill_at and attempt == 0 and rank == world_size - 1:
-                say(rank, f"killed at step {run.step}")
+                say(rank, tr("killed at step {step}").format(step=run.step))
+                tag(rank, "kill", {"step": run.step})
                 os.kill(os.getpid(), signal.SIGKILL)  # no cleanup, no flush: a lost node
             if run.step == job.start + 2:
                 run.timed = (clock(device), run.step)  # throughput from the third step: no warm-up
@@ -417,17 +524,17 @@ def after_step(job, run, args, bar) -> None:
     step, out = run.step, args.out if job.master else None
     if step % args.log_every == 0 or step == args.steps:
         logged = flush(run.pending, out, job.attempt, run.curve)
-        bar.set_postfix(loss=f"{logged:.3f}", refresh=False)
+        bar.set_postfix({tr("loss"): number(logged, 3)}, refresh=False)
         if job.master:
-            say(job.rank, f"step {step}: loss {logged:.4f}")
+            say(job.rank, tr("step {step}: loss {loss}").format(step=step, loss=number(logged, 4)))
     if step % args.eval_every == 0 or step == args.steps:
         held = run.held[step] = evaluate(job.model, job.held_out, args, job.dp_size, job.dp_rank, job.device, job.amp)
         if job.master:
-            say(job.rank, f"step {step}: held-out loss {held:.4f}")
+            say(job.rank, tr("step {step}: held-out loss {loss}").format(step=step, loss=number(held, 4)))
             write(args.out, {"step": step, "held-out": held, "attempt": job.attempt})
     if args.ckpt_dir and step % args.save_every == 0:
         flush(run.pending, out, job.attempt, run.curve)
-        run.saving = save(args.ckpt_dir, step, job.model, job.optimizer, job.ckpt_group, run.saving, args.sync_save)
+        run.saving = save(args, job, run)
 
 
 def finish(job, run, args, bar, world_size: int) -> dict:
@@ -444,6 +551,8 @@ def finish(job, run, args, bar, world_size: int) -> dict:
         "threads": torch.get_num_threads(),
         "precision": job.precision,
         "resumed from": job.start,
+        "steps per epoch": job.per_epoch,
+        "saves": run.saves,
         "tokens per second": (run.step - run.timed[1]) * tokens_per_step / seconds if run.timed else None,
         "loss": run.curve,
         "held-out": run.held,
@@ -454,7 +563,7 @@ def finish(job, run, args, bar, world_size: int) -> dict:
         result["sample"] = text
         if args.out:
             (args.out / "sample.txt").write_text(text, encoding="utf-8")
-        say(job.rank, "result " + json.dumps({k: v for k, v in result.items() if k not in ("loss", "held-out")}))
+        tag(job.rank, "result", {k: v for k, v in result.items() if k not in ("loss", "held-out")})
     return result
 
 
@@ -507,22 +616,43 @@ def evaluate(model, held_out: Windows, args, dp_size: int, dp_rank: int, device,
     return (total[0] / total[1]).item()
 
 
-def save(root: pathlib.Path, step: int, model, optimizer, group, previous, wait: bool):
-    """Start a DCP save of this step and return its future (None once done, with ``wait``).
+def save(args, job, run):
+    """Start a DCP save of this step and return a future (None once done, with ``--sync-save``).
 
-    ``async_save`` copies the state to CPU memory ("staging") and returns; the files are
-    written by a background thread while training goes on. One save at a time: the
-    previous one must be finished before the next is staged.
+    ``async_save`` copies the state to CPU memory ("staging", synchronous by default) and
+    returns; a background thread writes the files while training goes on. One save at a
+    time: the previous one must be finished before the next is staged. ``run.saves`` gets
+    one record per save: the seconds the loop waited, and after how many the checkpoint
+    was complete (the returned future resolves only once that is recorded).
     """
+    import concurrent.futures
+
     import torch.distributed.checkpoint as dcp
 
-    if previous is not None:
-        previous.result()
-    path = checkpoint_dir(root, step)
-    if wait:
-        dcp.save(state_of(model, optimizer), checkpoint_id=path, process_group=group)
+    if run.saving is not None:
+        run.saving.result()
+    path, state = checkpoint_dir(args.ckpt_dir, run.step), state_of(job.model, job.optimizer)
+    record = {"step": run.step}
+    run.saves.append(record)
+    start = clock(job.device)  # after this step's kernels: the save's own time
+    if args.sync_save:
+        dcp.save(state, checkpoint_id=path, process_group=job.ckpt_group)
+        record.update({"waited": clock(job.device) - start, "writing on return": False})
+        record["complete after"] = record["waited"]
         return None
-    return dcp.async_save(state_of(model, optimizer), checkpoint_id=path, process_group=group)
+    written = dcp.async_save(state, checkpoint_id=path, process_group=job.ckpt_group)
+    record.update({"waited": clock(job.device) - start, "writing on return": not written.done()})
+    recorded = concurrent.futures.Future()
+
+    def complete(future) -> None:  # in DCP's writer thread, when the files are written
+        record["complete after"] = clock() - start
+        if future.exception() is not None:
+            recorded.set_exception(future.exception())
+        else:
+            recorded.set_result(future.result())
+
+    written.add_done_callback(complete)
+    return recorded
 
 
 def export(model, args, master: bool):
@@ -568,4 +698,5 @@ def read_metrics(out: pathlib.Path) -> dict:
 
 
 if __name__ == "__main__":
+    use(script_language())  # a program has no notebook to ask: DISTCOURSE_LANG, or English
     main()

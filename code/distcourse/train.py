@@ -15,6 +15,10 @@ Only the master process (global rank 0) logs losses and writes files. With ``--c
 it saves the training state every ``--save-every`` steps and, when it starts, continues
 from the newest checkpoint there: that is what lets torchrun restart a crashed job
 (``--max-restarts``) without losing more than the steps since the last save.
+
+Sentences for people are in the reader's language (``DISTCOURSE_LANG``, English without it).
+What code reads back is a line of its own, a tag that no sentence begins with and JSON, the
+same in every language: ``result {...}``, ``resume {...}``, ``crash {...}``, ``worker {...}``.
 """
 
 from __future__ import annotations
@@ -34,6 +38,7 @@ from tqdm import tqdm  # the console bar: the script runs in terminals and log f
 
 from .common.checkpoint_files import atomic_save, checkpoint_path, latest_checkpoint, load_checkpoint
 from .common.distributed import check_launcher_env, choose_device, init_distributed, say
+from .runtime.i18n import number, script_language, tr, use
 
 # What --print-env shows: the variables torchrun sets for each worker, and CUDA_VISIBLE_DEVICES,
 # which it does not set (unless --virtual-local-rank): workers inherit it from the agent.
@@ -179,7 +184,7 @@ def train(args, rank: int, world_size: int, device, attempt: int, master_process
     bar = progress_bar(args, rank, attempt, start, master_process)
     for step in bar:
         if step == args.hang_at and rank == world_size - 1:
-            say(rank, f"simulated hang before step {step}")
+            say(rank, tr("simulated hang before step {step}").format(step=step))
             time.sleep(3600)
         x, y = (t.to(device) for t in batch_for(data, step, rank, world_size, args.batch_size))
         loss = nn.functional.cross_entropy(net(x), y)
@@ -187,13 +192,14 @@ def train(args, rank: int, world_size: int, device, attempt: int, master_process
         loss.backward()  # under DDP: gradients averaged over all ranks
         if step == args.crash_at and attempt == 0 and rank == world_size - 1:
             # After the backward pass: every rank has finished (and logged) the previous step.
-            say(rank, f"simulated crash in step {step}")
+            say(rank, tr("simulated crash in step {step}").format(step=step))
+            say(rank, "crash " + json.dumps({"step": step}))
             os._exit(1)  # no exception, no cleanup: like a segfault or a lost node
         optimizer.step()
         if args.step_seconds:
             time.sleep(args.step_seconds)
         loss = global_mean(loss.detach())  # the loss of the whole global batch
-        bar.set_postfix(loss=f"{loss.item():.4f}", refresh=False)
+        bar.set_postfix({tr("loss"): number(loss.item(), 4)}, refresh=False)
         log_and_checkpoint(args, rank, step, loss, attempt, model, optimizer, master_process)
     bar.close()
     if master_process:
@@ -202,14 +208,26 @@ def train(args, rank: int, world_size: int, device, attempt: int, master_process
 
 def announce(args, rank, world_size, device, attempt, start, resumed_from) -> None:
     """The master process's first lines: how this attempt runs, and where it resumed."""
-    where = f"{dist.get_backend()} on {device}" if dist.is_initialized() else f"one process on {device}"
+    if dist.is_initialized():
+        where = tr("{backend} on {device}").format(backend=dist.get_backend(), device=device)
+    else:
+        where = tr("one process on {device}").format(device=device)
     say(
         rank,
-        f"attempt {attempt}: world size {world_size} ({where}), global batch "
-        f"{world_size * args.batch_size}, {torch.get_num_threads()} thread(s) per process",
+        tr(
+            "attempt {attempt}: world size {world_size} ({where}), global batch {batch}, "
+            "{threads} thread(s) per process"
+        ).format(
+            attempt=attempt,
+            world_size=world_size,
+            where=where,
+            batch=number(world_size * args.batch_size),
+            threads=torch.get_num_threads(),
+        ),
     )
     if resumed_from:
-        say(rank, f"resumed from step {start} ({resumed_from})")
+        say(rank, tr("resumed from step {step} ({checkpoint})").format(step=start, checkpoint=resumed_from))
+        say(rank, "resume " + json.dumps({"step": start, "checkpoint": resumed_from}))
 
 
 def progress_bar(args, rank: int, attempt: int, start: int, master_process: bool):
@@ -223,8 +241,8 @@ def progress_bar(args, rank: int, attempt: int, start: int, master_process: bool
         range(start, args.steps),
         initial=start,
         total=args.steps,
-        unit="step",
-        desc=f"rank {rank}, attempt {attempt}",
+        unit=tr("step"),
+        desc=tr("rank {rank}, attempt {attempt}").format(rank=rank, attempt=attempt),
         disable=show if master_process else True,
     )
 
@@ -237,7 +255,8 @@ def log_and_checkpoint(args, rank, step, loss, attempt, model, optimizer, master
     if args.ckpt_dir and (step + 1) % args.save_every == 0:
         if master_process:
             args.ckpt_dir.mkdir(parents=True, exist_ok=True)
-            say(rank, f"step {step + 1}: checkpoint {save_state(args.ckpt_dir, model, optimizer, step + 1).name}")
+            name = save_state(args.ckpt_dir, model, optimizer, step + 1).name
+            say(rank, tr("step {step}: checkpoint {checkpoint}").format(step=step + 1, checkpoint=name))
         if dist.is_initialized():
             dist.barrier()  # nobody runs ahead of a checkpoint that is still being written
 
@@ -246,7 +265,13 @@ def finish(args, rank, world_size, model, loss) -> None:
     """The final weights (for one-process use) and the machine-readable result line."""
     if args.out:
         atomic_save({k: v.cpu() for k, v in model.state_dict().items()}, args.out / "final.pt")
-    result = {"steps": args.steps, "world_size": world_size, "loss": loss.item(), "checksum": checksum(model)}
+    result = {
+        "steps": args.steps,
+        "world_size": world_size,
+        "threads per process": torch.get_num_threads(),
+        "loss": loss.item(),
+        "checksum": checksum(model),
+    }
     say(rank, "result " + json.dumps(result))
 
 
@@ -264,4 +289,5 @@ def checksum(model: nn.Module) -> float:
 
 
 if __name__ == "__main__":
+    use(script_language())  # a program has no notebook to ask: DISTCOURSE_LANG, or English
     main()

@@ -53,6 +53,20 @@ def test_windows_give_inputs_and_targets_one_byte_later():
         capstone.Windows(data[:5], seq_len=8)
 
 
+def test_step_samples_deal_the_same_global_batch_differently_at_another_dp_size():
+    dataset = capstone.Windows(torch.zeros(2000, dtype=torch.uint8), seq_len=8, limit=200)
+    for step in (0, 7, 30):
+        two, four = (capstone.step_samples(dataset, dp, 16 // dp, step) for dp in (2, 4))
+        assert [len(s) for s in two] == [8, 8] and [len(s) for s in four] == [4] * 4
+        assert sorted(sum(two, [])) == sorted(sum(four, [])) and two[0] != four[0]
+    # what train() does at a step: the sampler pointed at it, the first batch of what it yields
+    sampler = capstone.ResumableSampler(dataset, num_replicas=2, rank=1, seed=0, drop_last=True)
+    capstone.start_at(sampler, 30, len(sampler) // 8, 8)
+    assert list(sampler)[:8] == capstone.step_samples(dataset, 2, 8, 30)[1]
+    # another global batch (8): step 30 falls in another epoch, on other samples
+    assert not set(sum(capstone.step_samples(dataset, 2, 4, 30), [])) <= set(sum(two, []))
+
+
 def test_resumable_sampler_continues_the_epoch_where_it_stopped():
     dataset = capstone.Windows(torch.zeros(2000, dtype=torch.uint8), seq_len=8)
     sampler = capstone.ResumableSampler(dataset, num_replicas=2, rank=1, seed=3, drop_last=True)
@@ -98,6 +112,16 @@ def test_one_process_writes_metrics_final_weights_and_sample(tmp_path):
     final.load_state_dict(torch.load(tmp_path / "final.pt", weights_only=True))
     assert capstone.generate(final, "Distributed training ", 8, context=64) == result["sample"]
     assert (tmp_path / "sample.txt").read_text(encoding="utf-8") == result["sample"]
+
+
+def test_saves_report_what_they_cost_the_loop(tmp_path):
+    ckpt = ["--save-every", "3", "--steps", "6"]
+    waited = capstone.main([*QUICK, *ckpt, "--ckpt-dir", str(tmp_path / "sync"), "--sync-save"])["saves"]
+    background = capstone.main([*QUICK, *ckpt, "--ckpt-dir", str(tmp_path / "async")])["saves"]
+    assert [s["step"] for s in waited] == [s["step"] for s in background] == [3, 6]
+    assert all(s["complete after"] == s["waited"] > 0 and not s["writing on return"] for s in waited)
+    assert all(s["complete after"] >= s["waited"] > 0 for s in background)
+    assert capstone.latest_complete(tmp_path / "async")[0] == capstone.latest_complete(tmp_path / "sync")[0] == 6
 
 
 @pytest.fixture
@@ -163,6 +187,40 @@ def test_tensor_parallel_mesh_and_activation_checkpointing_train_the_same_model(
     assert checkpointed["loss"] == reference["loss"]  # bitwise: the recomputation repeats the same kernels
 
 
+@pytest.mark.slow
+@pytest.mark.numerics
+def test_a_two_rank_checkpoint_resumes_on_four_ranks_and_on_a_mesh(tmp_path):
+    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+
+    common = [*QUICK, "--steps", "6", "--log-every", "1", "--eval-every", "6"]
+    two = distcourse.launch(
+        capstone.main,
+        2,
+        args=([*common, "--batch-size", "4", "--ckpt-dir", str(tmp_path), "--save-every", "3"],),
+        quiet=True,
+    )[0]
+    (tmp_path / "step-000006").rename(tmp_path / "later")  # resume from step 3
+    argv = [*common, "--ckpt-dir", str(tmp_path), "--save-every", "100"]
+    layouts = {"flat": ["--batch-size", "2"], "mesh": ["--batch-size", "4", "--tp", "2"]}
+    ranks = distcourse.launch(capstone.resume_resharded, 4, args=(argv, layouts), quiet=True)
+    dcp_to_torch_save(tmp_path / "step-000003", tmp_path / "step-3.pt")
+    converted = torch.load(tmp_path / "step-3.pt", weights_only=True)["model"]
+    w2 = "layers.0.feed_forward.w2.weight"
+    assert [r["flat"]["loaded"]["local shapes"][w2] for r in ranks] == [(16, 256)] * 4
+    assert [r["mesh"]["loaded"]["local shapes"][w2] for r in ranks] == [(32, 128)] * 4
+    for name in layouts:
+        loaded, run = ranks[0][name]["loaded"], ranks[0][name]["run"]
+        assert loaded["step"] == run["resumed from"] == 3 and ranks[1][name]["loaded"]["model"] is None
+        assert loaded["model"].keys() == converted.keys()
+        assert all(torch.equal(loaded["model"][k], converted[k]) for k in converted)
+        numerics.assert_close(run["loss"], {s: two["loss"][s] for s in (3, 4, 5)}, terms=TOKENS, what=name)
+
+
+def test_loading_needs_a_complete_checkpoint(tmp_path):
+    with pytest.raises(FileNotFoundError, match="no complete checkpoint"):
+        capstone.loaded_model(capstone.parse_args(["--ckpt-dir", str(tmp_path)]), torch.device("cpu"), 1)
+
+
 def test_tensor_parallel_degree_must_divide_the_ranks():
     with pytest.raises(distcourse.RankFailed, match="must divide the world size"):
         distcourse.launch(capstone.main, 2, args=([*QUICK, "--tp", "3"],), quiet=True)
@@ -191,7 +249,8 @@ def test_torchrun_kill_and_restart_resumes_exactly(tmp_path):
         ),
         timeout=120,
     )
-    assert killed.ranks[1] == ["killed at step 5"] and "resumed from step-000003" in killed.ranks[0]
+    assert killed.all_json(1, "kill") == [{"step": 5}] and len(killed.ranks[1]) == 2  # the kill's sentence and tag
+    assert killed.json(0, "resume") == {"step": 3, "checkpoint": "step-000003", "ignored": []}
     assert capstone.read_metrics(tmp_path / "a") == capstone.read_metrics(tmp_path / "b")
     assert plain.json(0, "result")["sample"] == killed.json(0, "result")["sample"]
 

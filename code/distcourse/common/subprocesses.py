@@ -32,7 +32,7 @@ from ..runtime.processes import package_env, stop_trees
 RANK_LINE = re.compile(r"^\[rank (\d+)\] (.*)$")
 # Lines that code reads back (tag, then JSON) and that say nothing a sentence beside them does not
 # say in the reader's language: Result.show() leaves them out. "result" is shown: it is the outcome.
-MACHINE_TAGS = ("worker", "store", "crash", "resume")
+MACHINE_TAGS = ("worker", "store", "crash", "resume", "kill")
 
 
 class TorchrunError(RuntimeError):

@@ -15,7 +15,7 @@ import random
 
 from .. import capstone, parameter_server
 from ..common.subprocesses import free_port
-from ..runtime.i18n import tr
+from ..runtime.i18n import number, tr
 from ..runtime.launcher import launch
 from . import verdict
 
@@ -71,7 +71,7 @@ def check_server_bytes(server_bytes) -> bool:
     except Exception as exc:  # the learner's code: report, do not crash the notebook
         return verdict([tr("{call} raised {error}").format(call=call, error=repr(exc))], "")
     problems = [] if answer == measured else [tr("{call} = {answer}, measured {measured}").format(
-        call=call, answer=answer, measured=int(measured))]  # fmt: skip
+        call=call, answer=answer, measured=number(int(measured)))]  # fmt: skip
     return verdict(
-        problems, tr("Correct: {measured} bytes per step through the server.").format(measured=int(measured))
+        problems, tr("Correct: {measured} bytes per step through the server.").format(measured=number(int(measured)))
     )
