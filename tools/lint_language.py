@@ -775,9 +775,23 @@ def english_literal(line: str, lang: str, literals: dict | None = None) -> Liter
     literals = course_literals() if literals is None else literals
     for word in words:
         for literal in literals.get(word, ()):
-            if literal.words <= words and literal.pattern.search(line):
+            if literal.words <= words and literal.pattern.search(line) and not kept_in_catalog(literal, lang):
                 return literal
     return None
+
+
+@cache
+def catalog_values(lang: str) -> tuple[str, ...]:
+    path = LOCALE / f"{lang}.yml"
+    if not path.exists():
+        return ()
+    return tuple(str(v) for v in (yaml.safe_load(path.read_text(encoding="utf-8")) or {}).values())
+
+
+def kept_in_catalog(literal: Literal, lang: str) -> bool:
+    """Whether the language's own catalog writes these English words on purpose (pt-BR keeps
+    "world size", as its community does): then they are a term of that language, not a slip."""
+    return any(literal.pattern.search(value) for value in catalog_values(lang))
 
 
 HTML_SKIP = re.compile(r"<(style|script)\b.*?</\1>", re.S | re.I)
