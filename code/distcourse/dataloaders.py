@@ -174,6 +174,38 @@ def duplicated_noise(samples: dict) -> list[tuple[int, int]]:
     return [(a, b) for i, a in enumerate(keys) for b in keys[i + 1 :] if torch.equal(samples[a][1], samples[b][1])]
 
 
+def noise_by_epoch(
+    epochs: int = 2,
+    num_workers: int = 2,
+    persistent_workers: bool = False,
+    worker_init_fn=None,
+    seed: int | None = None,
+    size: int = 8,
+) -> list[dict]:
+    """Load NoisyDigits for several epochs from one DataLoader; one {sample: (worker, noise)} per epoch.
+
+    Without ``persistent_workers`` every epoch starts new workers, each with a fresh copy of the
+    dataset as it is in this process, whose generator never drew a number here: so every epoch
+    starts from the same generator state (``DataLoader._get_iterator`` in torch/utils/data/dataloader.py).
+    """
+    generator = torch.Generator().manual_seed(seed) if seed is not None else None
+    loader = DataLoader(
+        WorkerTagged(NoisyDigits(size=size)),
+        batch_size=1,
+        num_workers=num_workers,
+        persistent_workers=persistent_workers,
+        worker_init_fn=worker_init_fn,
+        generator=generator,
+        **_fork_if_possible(num_workers),
+    )
+    return [{int(i): (int(w), noise[0]) for i, w, (_, noise, _) in loader} for _ in range(epochs)]
+
+
+def same_noise(a: dict, b: dict) -> bool:
+    """Whether two epochs gave every sample exactly the same noise."""
+    return a.keys() == b.keys() and all(torch.equal(a[i][1], b[i][1]) for i in a)
+
+
 class WorkerTagged(Dataset):
     """Wraps a dataset so that each item also says which worker loaded it."""
 
@@ -220,11 +252,15 @@ def worker_pids_per_epoch(epochs: int = 3, persistent_workers: bool = False, num
 
 
 def _fork_if_possible(num_workers: int) -> dict:
-    # A worker_init_fn written in a notebook cannot be pickled for "spawn"
-    # workers (the macOS default); "fork" lets the exercises run everywhere it exists.
+    # A worker_init_fn written in a notebook (exercise 1) cannot be pickled for "spawn" or
+    # "forkserver" workers, which import it by name. On Linux these workers are forked from the
+    # kernel: they touch no CUDA and take no lock another thread of the kernel could hold. Elsewhere
+    # keep the platform's default: on macOS, fork is unsafe (system libraries start threads), which
+    # is why "spawn" has been its default since Python 3.8; there the exercise's function must be
+    # defined in a module (an importable .py file).
     import multiprocessing
 
-    if num_workers > 0 and "fork" in multiprocessing.get_all_start_methods():
+    if num_workers > 0 and sys.platform.startswith("linux") and "fork" in multiprocessing.get_all_start_methods():
         return {"multiprocessing_context": "fork"}
     return {}
 
@@ -321,6 +357,11 @@ TORCHRUN_VARIABLES = (
     "MASTER_PORT",
     "TORCHELASTIC_RESTART_COUNT",
     "TORCHELASTIC_RUN_ID",
+    # Set by torchrun when unset and more than one process per node (torch/distributed/run.py,
+    # "Setting OMP_NUM_THREADS ... to be 1"): one intra-op thread per worker unless you choose.
+    "OMP_NUM_THREADS",
+    # Set to 1 unless set (local_elastic_agent.py): a failed NCCL collective aborts the process.
+    "TORCH_NCCL_ASYNC_ERROR_HANDLING",
     "CUDA_VISIBLE_DEVICES",
 )
 
@@ -347,6 +388,7 @@ def torchrun_environment(nproc: int = 2, timeout: float = 60.0) -> list[dict]:
         )
         env = tt.child_env()
         env.pop("CUDA_VISIBLE_DEVICES", None)
+        env.pop("OMP_NUM_THREADS", None)  # unset, as in a fresh shell: torchrun then sets it to 1
         command = [
             sys.executable,
             "-m",

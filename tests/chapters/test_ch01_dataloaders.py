@@ -76,6 +76,7 @@ def test_torchrun_sets_ranks_but_not_cuda_visible_devices(monkeypatch):
         ("1", "1", "2", "2"),
     ]
     assert all(e["CUDA_VISIBLE_DEVICES"] is None and e["MASTER_PORT"] and e["TORCHELASTIC_RUN_ID"] for e in env)
+    assert all(e["OMP_NUM_THREADS"] == "1" for e in env)  # unset in the parent: torchrun sets one thread
 
 
 def test_host_to_device_timing_needs_an_accelerator():
@@ -102,3 +103,20 @@ def test_source_labels_translate_words_not_module_names(monkeypatch):
     finally:
         i18n.use("en")
     assert data.source_label("numpy Generator in dataset") == "numpy Generator in dataset"
+
+
+def test_without_persistent_workers_every_epoch_replays_the_same_noise():
+    first, second = data.noise_by_epoch(epochs=2)
+    assert data.same_noise(first, second)  # new workers, each from the dataset's untouched generator
+    first, second = data.noise_by_epoch(epochs=2, persistent_workers=True)
+    assert not data.same_noise(first, second) and data.duplicated_noise(second)  # epochs differ, workers still alike
+    first, second = data.noise_by_epoch(epochs=2, worker_init_fn=data.reseed_worker, seed=0)
+    assert not data.same_noise(first, second) and not data.duplicated_noise(second)
+
+
+def test_workers_are_forked_from_the_kernel_on_linux_only(monkeypatch):
+    monkeypatch.setattr(data.sys, "platform", "darwin")  # fork is unsafe on macOS: keep its default, spawn
+    assert data._fork_if_possible(2) == {}
+    monkeypatch.setattr(data.sys, "platform", "linux")
+    assert data._fork_if_possible(2) == {"multiprocessing_context": "fork"}
+    assert data._fork_if_possible(0) == {}
