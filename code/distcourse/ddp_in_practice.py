@@ -354,8 +354,14 @@ class DigitsWithWorker(Dataset):
 
 
 def digits_loader(x, y, batch_size: int, num_workers: int, seed: int, device) -> DataLoader:
-    """This rank's DataLoader: its share through a ``DistributedSampler``, loaded by worker processes."""
-    fork = num_workers > 0 and "fork" in multiprocessing.get_all_start_methods()
+    """This rank's DataLoader: its share through a ``DistributedSampler``, loaded by worker processes.
+
+    The workers start with the platform's default start method, as in any script: forcing
+    ``fork`` would be quicker where it exists, but a rank is multi-threaded (gloo's or NCCL's
+    threads, here the launcher's watcher too), and a forked child gets a copy of every lock
+    those threads held, with none of the threads to release them. ``persistent_workers`` pays
+    the start-up once instead of every epoch.
+    """
     dataset = DigitsWithWorker(x, y)
     return DataLoader(
         dataset,
@@ -364,8 +370,15 @@ def digits_loader(x, y, batch_size: int, num_workers: int, seed: int, device) ->
         num_workers=num_workers,
         persistent_workers=num_workers > 0,  # the same workers for every epoch, not new ones
         pin_memory=device.type == "cuda",  # page-locked batches copy to the GPU asynchronously
-        multiprocessing_context="fork" if fork else None,  # workers start in milliseconds
     )
+
+
+def os_threads() -> int | None:
+    """This process's threads as the operating system counts them (Linux's /proc), or None elsewhere."""
+    try:
+        return len(os.listdir("/proc/self/task"))
+    except FileNotFoundError:
+        return None
 
 
 def train_with_loader(
@@ -384,10 +397,8 @@ def train_with_loader(
     epoch, a ``DataLoader`` with worker processes prepares the batches, DDP averages
     the gradients, and only rank 0 shows a progress bar.
 
-    The workers are forked from the rank where the OS can fork, whatever the platform's
-    default start method: under ``forkserver`` (Python 3.14's default on Linux) and
-    ``spawn`` (macOS, Windows) every worker is a fresh interpreter that imports torch
-    before it loads its first sample.
+    The workers start with the platform's default start method (``digits_loader`` says why);
+    the result records it, with the number of threads the rank runs when its workers start.
     """
     # Imported here, in the rank: in a notebook's kernel tqdm.auto would look for Jupyter widgets.
     from tqdm.auto import tqdm
@@ -399,6 +410,7 @@ def train_with_loader(
     ddp = wrap(mlp(**(model_kwargs or {})))
     optimizer = torch.optim.SGD(ddp.parameters(), lr=lr)
     loader_pids, losses = set(), []
+    threads = os_threads()  # now, before the first epoch starts the workers: gloo's threads already run
     start = clock()
     desc, unit = tr("rank {rank}").format(rank=rank), tr("step")
     with tqdm(total=epochs * len(loader), desc=desc, unit=unit, disable=rank != 0) as bar:
@@ -415,6 +427,8 @@ def train_with_loader(
     return {
         "pid": os.getpid(),
         "loaders": sorted(loader_pids),  # (pid, parent pid) of each process that loaded samples
+        "start_method": multiprocessing.get_start_method(),  # the platform's default: not overridden
+        "threads": threads,
         "seconds": clock() - start,
         "steps": len(losses),
         "losses": losses,

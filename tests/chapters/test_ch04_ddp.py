@@ -2,6 +2,7 @@
 
 import json
 import math
+import multiprocessing
 import re
 import subprocess
 import sys
@@ -332,6 +333,9 @@ def test_ddp_training_with_two_dataloader_workers_per_rank():
         assert len(r["loaders"]) == 2  # two workers per rank, children of that rank
         assert all(parent == r["pid"] and pid not in rank_pids for pid, parent in r["loaders"])
     assert "16/16" in runs.outputs[0] and "16/16" not in runs.outputs[1]  # the progress bar is rank 0's
+    # The workers start the platform's way, not forced to fork: a rank already runs several threads.
+    assert all(r["start_method"] == multiprocessing.get_start_method() for r in runs)
+    assert all(r["threads"] is None or r["threads"] > 1 for r in runs)
     # Workers only change where batches are made, not what is learned.
     alone = distcourse.launch(
         ddp_in_practice.train_with_loader,
