@@ -9,6 +9,12 @@ pushes it back, through an ``RRef`` (a remote reference) to the server object.
   round does). That is data parallelism, and it must equal an all-reduce.
 - ``mode="async"``: each push is applied at once. A slow trainer never holds the others back,
   but its gradient was computed on weights that have changed since ("staleness").
+- Uneven trainers (``delays``): a trainer slower than the fastest starts its extra work only once
+  another trainer has pushed since its pull. A sleep alone makes that overlap likely, not certain:
+  on a busy machine the operating system may run the slow trainer's whole step before the fast
+  one's push, and every push is then fresh. With the wait, the slow trainer provably computes
+  while another pushes: its push waits in the synchronous round, its gradient is stale in the
+  asynchronous mode. The fast trainers never wait for the slow ones.
 - ``remote_autograd``: the other RPC style. The model's forward runs on the server through
   its RRef, distributed autograd records the calls across processes, and
   ``DistributedOptimizer`` steps the server's parameters through RRefs to them.
@@ -74,14 +80,15 @@ class ParameterServer:
         self.lock = threading.Lock()
         self.version = 0  # steps taken so far
         self.staleness = {t: [] for t in range(1, trainers + 1)}  # per push: steps taken since its pull
-        self.round, self.waiting = [], []
+        self.round, self.waiting = [], []  # sync: the round's (trainer, gradients) and their futures
+        self.held, self.finished = [], 0  # slow trainers waiting for another's push; trainers done
         self.bytes = {"in": 0, "out": 0}  # tensor payload through the server: gradients in, weights out
 
     @staticmethod
     @rpc.functions.async_execution
     def start(server_rref) -> torch.futures.Future:
-        """Runs on the server: completes when every trainer has called it (a barrier), so that
-        all trainers start their clocks and their first pull together."""
+        """Runs on the server: completes when every trainer has called it (a barrier). Trainers
+        call it after their first pull: nobody pushes before everyone holds the first weights."""
         self = server_rref.local_value()
         arrived = torch.futures.Future()
         with self.lock:
@@ -111,16 +118,51 @@ class ParameterServer:
             if self.mode == "async":
                 self._step([grads])
                 done.set_result(self.version)
-                return done
-            self.round.append(grads)
+                released = self._release()
+                return _complete(released, done)
+            self.round.append((trainer, grads))
             self.waiting.append(done)
             if len(self.round) < self.trainers:
-                return done  # the trainer's rpc_sync waits until the last trainer has pushed
-            self._step(self.round)
+                released = self._release()
+                return _complete(released, done)  # rpc_sync waits until the last trainer has pushed
+            self._step([g for _, g in self.round])
             waiting, self.round, self.waiting = self.waiting, [], []
         for future in waiting:
             future.set_result(self.version)
         return done
+
+    @staticmethod
+    @rpc.functions.async_execution
+    def after_another_push(server_rref, trainer: int, version: int) -> torch.futures.Future:
+        """Runs on the server: completes once a trainer other than ``trainer`` has pushed since
+        ``trainer`` pulled weights ``version``, or once no other trainer can push any more (each
+        is finished, waiting in a round or waiting here): a slow trainer's wait never deadlocks."""
+        self = server_rref.local_value()
+        ready = torch.futures.Future()
+        with self.lock:
+            self.held.append((trainer, version, ready))
+            released = self._release()
+        return _complete(released, ready)
+
+    def finish(self) -> None:
+        """A trainer has pushed its last gradient: slow trainers no longer wait for it."""
+        with self.lock:
+            self.finished += 1
+            released = self._release()
+        _complete(released, None)
+
+    def _release(self) -> list[torch.futures.Future]:
+        """Under the lock: the held trainers whose wait is over, removed from ``held``."""
+        stuck = len(self.held) + len(self.round) + self.finished >= self.trainers
+
+        def another_pushed(trainer: int, version: int) -> bool:
+            # async: every push takes a step; sync: the round fills before the step is taken
+            return self.version > version or any(t != trainer for t, _ in self.round)
+
+        over = [stuck or another_pushed(trainer, version) for trainer, version, _ in self.held]
+        released = [future for (_, _, future), done in zip(self.held, over) if done]
+        self.held = [entry for entry, done in zip(self.held, over) if not done]
+        return released
 
     def _step(self, gradients: list[list[torch.Tensor]]) -> None:
         for p, *grads in zip(self.model.parameters(), *gradients):
@@ -129,15 +171,28 @@ class ParameterServer:
         self.version += 1
 
 
+def _complete(released: list[torch.futures.Future], returned):
+    """Complete the released trainers' futures (outside the server's lock); pass ``returned`` on."""
+    for future in released:
+        future.set_result(None)
+    return returned
+
+
 def train_through_server(
-    server_rref, trainer: int, trainers: int, steps: int, batch: int, width: int, delay: float
+    server_rref, trainer: int, trainers: int, steps: int, batch: int, width: int, delay: float, slower: bool = False
 ) -> dict:
-    """Runs on a trainer: pull, compute a gradient on this trainer's batch, push; ``steps`` times."""
+    """Runs on a trainer: pull, compute a gradient on this trainer's batch, push; ``steps`` times.
+
+    ``slower``: this trainer is slower than another; it starts its extra work (``delay``) only
+    once another trainer has pushed since its pull, so that it computes while the other pushes.
+    """
     model = mlp(width)
+    server = server_rref.rpc_sync()
+    first = server.pull()  # before the barrier: no push can come before every trainer's first pull
     rpc.rpc_sync(server_rref.owner(), ParameterServer.start, args=(server_rref,))
     started, losses, waits = clock(), [], []
     for step in range(steps):
-        version, weights = server_rref.rpc_sync().pull()  # one round trip: the current weights
+        version, weights = server.pull() if step else first  # one round trip: the current weights
         with torch.no_grad():
             for p, w in zip(model.parameters(), weights):
                 p.copy_(w)
@@ -145,12 +200,15 @@ def train_through_server(
         model.zero_grad()
         loss = F.cross_entropy(model(images), labels)
         loss.backward()
+        if slower:
+            rpc.rpc_sync(server_rref.owner(), ParameterServer.after_another_push, args=(server_rref, trainer, version))
         time.sleep(delay)  # extra work per step: a slower machine, or a bigger batch
         grads = [p.grad for p in model.parameters()]
         pushed = clock()
         rpc.rpc_sync(server_rref.owner(), ParameterServer.push, args=(server_rref, trainer, version, grads))
         waits.append(clock() - pushed)  # the round trip, plus the wait for the round (sync)
         losses.append(loss.item())
+    server.finish()
     return {"losses": losses, "seconds": clock() - started, "push seconds": waits}
 
 
@@ -175,7 +233,8 @@ def _init_rpc(port: int) -> tuple[int, int]:
 def parameter_server(port: int, mode: str = "sync", steps: int = 8, batch: int = 32, width: int = 32,
                      lr: float = 0.5, delays: tuple = ()) -> dict | None:  # fmt: skip
     """Rank function: rank 0 serves, the others train. ``delays``: seconds added to every step
-    of trainer 1, 2, ... (none by default). Returns, on rank 0, the final weights, each
+    of trainer 1, 2, ... (none by default; a trainer slower than the fastest computes while
+    another pushes, see the module's docstring). Returns, on rank 0, the final weights, each
     trainer's losses and time, the staleness of every push and the bytes through the server."""
     _batch(0, 1, 1, batch)  # load the digits first: then init_rpc, which waits for all, starts every clock together
     with warnings.catch_warnings(record=True) as caught:
@@ -192,11 +251,12 @@ def _serve_or_train(rank, world_size, mode, steps, batch, width, lr, delays) -> 
         trainers = world_size - 1
         server = ParameterServer(mode, trainers, width, lr)
         server_rref = rpc.RRef(server)  # owned here; trainers receive a reference to it
+        delays = tuple(delays) or (0.0,) * trainers
         futures = [
             rpc.rpc_async(
                 f"trainer{t}",
                 train_through_server,
-                args=(server_rref, t, trainers, steps, batch, width, delays[t - 1] if delays else 0.0),
+                args=(server_rref, t, trainers, steps, batch, width, delays[t - 1], delays[t - 1] > min(delays)),
             )
             for t in range(1, trainers + 1)
         ]

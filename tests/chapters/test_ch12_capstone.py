@@ -324,3 +324,27 @@ def test_result_line_is_json_without_the_curves(capsys):
     capstone.main(QUICK)
     line = [x for x in capsys.readouterr().out.splitlines() if x.startswith("[rank 0] result ")][0]
     assert "loss" not in json.loads(line.split("result ", 1)[1])
+
+
+def test_a_slower_trainer_computes_while_the_other_pushes():
+    """The overlap chapter 12 shows holds by construction, not by how long a sleep lasts.
+
+    Trainer 2 is barely slower (0.1 ms): with sleeps alone, the two trainers' pushes would land in
+    any order. It starts its extra work only once trainer 1 has pushed since its pull: its first
+    asynchronous push is stale, and in a synchronous round trainer 1's push waits at least for
+    trainer 2's whole delay.
+    """
+    delays = (0.02, 0.0201)
+    runs = {
+        mode: distcourse.launch(
+            parameter_server.parameter_server,
+            3,
+            kwargs={"port": subprocesses.free_port(), "mode": mode, "steps": 3, "delays": delays},
+            quiet=True,
+        )[0]
+        for mode in ("sync", "async")
+    }
+    assert runs["async"]["staleness"][2][0] >= 1, runs["async"]["staleness"]
+    assert runs["async"]["steps taken"] == 6
+    assert min(runs["sync"]["trainers"][0]["push seconds"]) >= delays[1]
+    assert runs["sync"]["staleness"] == {1: [0, 0, 0], 2: [0, 0, 0]}
