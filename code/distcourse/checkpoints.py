@@ -4,6 +4,7 @@ Three parts, each readable on its own:
 
 1. save-on-rank-0 demo: ``save_then_load``;
 2. a full training state and exact resume: ``training_state``, ``train_run``, ``resume_forgetting``;
+   with DataLoader workers: ``augmented_batches``, ``NoisyImages``, ``ResumableSampler``;
 3. what goes wrong: ``save_and_die`` (a crash mid-write), ``RunsCodeWhenLoaded`` (why
    ``weights_only=True``).
 
@@ -26,7 +27,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
+from torch.utils.data import DataLoader, Dataset, DistributedSampler, TensorDataset
 
 from .common.checkpoint_files import (
     atomic_save,
@@ -41,6 +42,7 @@ from .common.checkpoint_files import (
 from .common.datasets import digits as digits  # chapter 05 loads its data as checkpoints.digits()
 from .common.models import mlp
 from .common.training import global_mean, wrap_ddp
+from .dataloaders import reseed_worker
 from .runtime.hardware import rank_device
 from .runtime.i18n import number, tr
 
@@ -260,6 +262,123 @@ def resume_forgetting(data, path, steps: int = 40, parts=PARTS):
     """Rank function: resume from checkpoint ``path`` once per part, each time ignoring that part."""
     # No directory: these variants write neither checkpoints nor a loss log.
     return {part: train(data, steps, resume_from=path, forget=(part,))["losses"] for part in parts}
+
+
+# --------------------------------------------------------------------------------------
+# 2b. Exact resume when DataLoader workers augment the data
+# --------------------------------------------------------------------------------------
+
+
+class NoisyImages(Dataset):
+    """Images with random noise added in ``__getitem__``, that is, in a DataLoader worker.
+
+    ``per_sample_seed=False`` is chapter 01's recipe: one generator per worker, reseeded by
+    ``reseed_worker`` from ``torch.initial_seed()``; what a sample gets depends on the worker
+    that loads it and on everything that worker loaded before. ``per_sample_seed=True`` draws
+    each sample's noise from a generator seeded with (seed, epoch, index), handed in by the
+    sampler as an (epoch, index) pair: the noise is a function of the checkpoint's epoch alone.
+    """
+
+    def __init__(self, images: torch.Tensor, seed: int = 0, per_sample_seed: bool = False):
+        self.images, self.seed, self.per_sample_seed = images, seed, per_sample_seed
+        self.rng = np.random.default_rng(seed)  # replaced in each worker by reseed_worker
+
+    def __len__(self) -> int:
+        return len(self.images)
+
+    def __getitem__(self, key):
+        if self.per_sample_seed:
+            epoch, index = key
+            rng = np.random.default_rng((self.seed, epoch, index))
+        else:
+            index, rng = key, self.rng
+        noise = torch.from_numpy(rng.normal(0.0, 0.05, size=tuple(self.images[index].shape)).astype(np.float32))
+        return self.images[index] + noise
+
+
+class ResumableSampler(DistributedSampler):
+    """``DistributedSampler``'s order, as (epoch, index) pairs, from any position of an epoch.
+
+    The sampler runs in the training process, so the epoch reaches the workers with every
+    index, persistent workers included; and ``set_position`` starts an epoch at a batch
+    without loading the batches before it.
+    """
+
+    def __init__(self, dataset, **kwargs):
+        super().__init__(dataset, **kwargs)
+        self.start = 0
+
+    def set_position(self, epoch: int, samples_done: int) -> None:
+        self.set_epoch(epoch)
+        self.start = samples_done
+
+    def __iter__(self):
+        return iter([(self.epoch, index) for index in list(super().__iter__())[self.start :]])
+
+    def __len__(self) -> int:
+        return self.num_samples - self.start
+
+
+def augmented_batches(
+    images: torch.Tensor,
+    steps: int,
+    *,
+    resumable: bool,
+    stop: int | None = None,
+    resume: dict | None = None,
+    batch_size: int = 8,
+    num_workers: int = 2,
+    seed: int = 0,
+    rank: int = 0,
+):
+    """The batches a training loop receives over ``steps`` steps, as a new job would load them.
+
+    ``stop``: end after that many steps and return, with the batches, the state a checkpoint
+    written then would hold. ``resume``: such a state; carry on from it with a new DataLoader
+    and new workers, as a resumed job does. Returns (batches, state).
+
+    ``resumable=False`` is the loop of chapters 01 and 04: workers reseeded from a generator
+    seeded with ``seed + rank``, persistent workers, trained batches skipped by iterating,
+    the RNG state restored right before the first resumed step. ``resumable=True`` seeds
+    each sample's noise from (seed, epoch, index) and starts the sampler at the saved position.
+    """
+    with torch.random.fork_rng(devices=[]):  # a new job's generator, and the caller's left alone
+        torch.manual_seed(seed)
+        dataset = NoisyImages(images, seed=seed, per_sample_seed=resumable)
+        sampler_kind = ResumableSampler if resumable else DistributedSampler
+        sampler = sampler_kind(dataset, num_replicas=1, rank=0, shuffle=True, seed=seed, drop_last=True)
+        loader = DataLoader(
+            dataset,
+            batch_size=batch_size,
+            sampler=sampler,
+            num_workers=num_workers,
+            persistent_workers=num_workers > 0,
+            worker_init_fn=None if resumable else reseed_worker,
+            generator=None if resumable else torch.Generator().manual_seed(seed + rank),
+        )
+        step, epoch, first = (resume["step"], resume["epoch"], resume["batch"]) if resume else (0, 0, 0)
+        pending_rng = resume.get("rng") if resume else None
+        batches = []
+        while step < steps:
+            if resumable:
+                sampler.set_position(epoch, first * batch_size)  # no batch before `first` is loaded
+            else:
+                sampler.set_epoch(epoch)
+            for batch, x in enumerate(loader, start=first if resumable else 0):
+                if batch < first:
+                    continue  # trained on before the checkpoint: loaded, augmented and thrown away
+                if pending_rng is not None:
+                    torch.set_rng_state(pending_rng)
+                    pending_rng = None
+                batches.append(x)
+                step += 1
+                if step == stop:
+                    state = {"step": step, "epoch": epoch, "batch": batch + 1}
+                    return batches, state if resumable else {**state, "rng": torch.get_rng_state()}
+                if step == steps:
+                    break
+            epoch, first = epoch + 1, 0
+        return batches, None
 
 
 # --------------------------------------------------------------------------------------

@@ -316,3 +316,22 @@ def test_training_state_is_stateful():
     other = distributed_checkpoints.TrainingState(other_model, torch.optim.Adam(other_model.parameters(), lr=1e-3))
     other.load_state_dict(saved)
     assert other.step == 5 and all(torch.equal(a, b) for a, b in zip(model.parameters(), other_model.parameters()))
+
+
+def test_resume_with_dataloader_workers_is_exact_only_with_the_resumable_recipe():
+    images = checkpoints.digits()[0][:32]
+    for resumable in (False, True):
+        full, _ = checkpoints.augmented_batches(images, 12, resumable=resumable)
+        first_part, state = checkpoints.augmented_batches(images, 12, resumable=resumable, stop=6)
+        rest, _ = checkpoints.augmented_batches(images, 12, resumable=resumable, resume=state)
+        assert (state["epoch"], state["batch"]) == (1, 2)  # 4 batches per epoch: the stop is mid-epoch 1
+        assert all(torch.equal(a, b) for a, b in zip(full[:6], first_part))
+        equal = [torch.equal(a, b) for a, b in zip(full[6:], rest)]
+        assert len(rest) == 6 and (all(equal) if resumable else not any(equal))
+    # The resumable sampler starts at the saved position and carries the epoch with every index.
+    sampler = checkpoints.ResumableSampler(range(32), num_replicas=1, rank=0, seed=0)
+    sampler.set_position(1, 16)
+    pairs = list(sampler)
+    assert len(pairs) == len(sampler) == 16 and all(epoch == 1 for epoch, _ in pairs)
+    sampler.set_position(1, 0)
+    assert [index for _, index in list(sampler)[16:]] == [index for _, index in pairs]
