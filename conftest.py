@@ -14,6 +14,9 @@ import psutil
 import pytest
 
 ROOT = pathlib.Path(__file__).resolve().parent
+# tools/book_cache.py: each notebook nbval executes, once all its cells pass, goes into the book's
+# execution cache, so that `make book` after `make test` publishes these outputs and executes nothing again.
+pytest_plugins = ["book_cache"]
 
 
 def launcher_helpers() -> set[int]:

@@ -25,6 +25,12 @@ its cached outputs are dropped and its page is re-read, so it executes again; th
 notebooks stay cached. Editing `capstone.py` re-executes chapter 12 in six languages, a
 Korean catalog edit the Korean pages. A no-change rebuild takes about a second.
 
+One execution serves the tests and the book: `make test` executes every notebook under
+nbval, and tools/book_cache.py stores each notebook whose cells all passed in this book's
+execution cache (record_execution below), keyed as myst-nb looks it up and stamped with the
+fingerprint of its inputs. `make book` after `make test` then executes no notebook again and
+publishes the very outputs whose asserts passed; on its own it executes what is missing.
+
 Progress: Sphinx's own output goes to _build/build.log (shown from its first problem on
 failure); the terminal gets one line per notebook as myst-nb reads it, executed or taken
 from the cache: n of N, the notebook, its seconds, and the totals at the end.
@@ -74,13 +80,14 @@ def common_inputs(root: Path) -> list[str]:
     return lines
 
 
-def fingerprints(root: Path) -> dict[str, str]:
-    """{notebook path relative to root: sha256 of its inputs outside the notebook}."""
+def fingerprints(root: Path, notebooks: list[Path] | None = None) -> dict[str, str]:
+    """{notebook path relative to root: sha256 of its inputs outside the notebook}, for every
+    notebook of the book or for ``notebooks``."""
     sys.path.insert(0, str(Path(__file__).resolve().parent))
     import notebook_inputs
 
     common = common_inputs(root)
-    notebooks = book_notebooks(root / "_toc.yml", root)
+    notebooks = book_notebooks(root / "_toc.yml", root) if notebooks is None else notebooks
     return {nb.relative_to(root).as_posix(): notebook_inputs.fingerprint(nb, root, common) for nb in notebooks}
 
 
@@ -471,6 +478,86 @@ def read_stamps(path: Path) -> dict:
         return {}
 
 
+def write_stamps(path: Path, stamps: dict) -> None:
+    """Replace the stamp file whole (a reader never sees half of it)."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    partial = path.with_name(path.name + ".partial")
+    partial.write_text(json.dumps(stamps, indent=1, sort_keys=True) + "\n")
+    partial.replace(path)
+
+
+# ------------------------------------------------------------------ executions from the tests
+
+
+def book_root_of(notebook: Path) -> Path | None:
+    """The book (a folder with _config.yml and _toc.yml) whose table of contents lists ``notebook``."""
+    notebook = notebook.resolve()
+    for folder in notebook.parents:
+        if (folder / "_toc.yml").is_file() and (folder / "_config.yml").is_file():
+            return folder if notebook in book_notebooks(folder / "_toc.yml", folder) else None
+    return None
+
+
+def part_files(part) -> set[str]:
+    """The documents a part (or any piece of a table of contents) lists, without suffixes."""
+    found = set()
+    if isinstance(part, dict):
+        if isinstance(part.get("file"), str):
+            found.add(part["file"].removesuffix(".ipynb"))
+        for value in part.values():
+            found |= part_files(value) if isinstance(value, (dict, list)) else set()
+    elif isinstance(part, list):
+        for value in part:
+            found |= part_files(value)
+    return found
+
+
+def execution_caches(root: Path, notebook: Path) -> list[Path]:
+    """Where the book looks ``notebook``'s outputs up: myst-nb's cache of each book that lists it.
+
+    myst-nb's cache is <jupyter-book's --path-output>/_build/.jupyter_cache unless _config.yml
+    names one: with language books, _build/books/<code>/_build/.jupyter_cache of the notebook's
+    language (every language's for a shared part), else _build/.jupyter_cache.
+    """
+    config = yaml.safe_load((root / "_config.yml").read_text(encoding="utf8")) or {}
+    if (config.get("execute") or {}).get("cache"):
+        return [(root / config["execute"]["cache"]).resolve()]
+    by_language, shared = language_parts(yaml.safe_load((root / "_toc.yml").read_text(encoding="utf8")) or {})
+    if not by_language:
+        return [root / "_build" / ".jupyter_cache"]
+    name = notebook.resolve().relative_to(root).with_suffix("").as_posix()
+    codes = [code for code, part in by_language.items() if name in part_files(part)]
+    if name in part_files(shared):
+        codes = list(by_language)
+    return [root / BOOKS / code / "_build" / ".jupyter_cache" for code in codes]
+
+
+def record_execution(root: Path, notebook: Path, executed, seconds: float, inputs: str) -> list[Path]:
+    """Store ``executed`` (``notebook`` with the outputs of a run whose cells all passed) as the
+    book's execution of it; returns the caches written.
+
+    Keyed as myst-nb looks a notebook up (jupyter-cache's hash of the code cells' sources and
+    metadata, and the kernelspec), under the notebook's resolved path, with the run's seconds.
+    ``inputs`` is the notebook's fingerprint (fingerprints()) when the run started and ended:
+    build_executed() then keeps these outputs while the inputs stay the same. The notebook's
+    page stamp is dropped, so the next build re-reads the page and shows this execution.
+    """
+    from jupyter_cache import get_cache
+    from jupyter_cache.base import CacheBundleIn
+
+    root, notebook = root.resolve(), notebook.resolve()
+    caches = execution_caches(root, notebook)
+    for folder in caches:
+        bundle = CacheBundleIn(executed, str(notebook), data={"execution_seconds": seconds})
+        get_cache(folder).cache_notebook_bundle(bundle, check_validity=False, overwrite=True)
+    name, build = notebook.relative_to(root).as_posix(), root / "_build"
+    write_stamps(build / CACHE_FINGERPRINT_FILE, {**read_stamps(build / CACHE_FINGERPRINT_FILE), name: inputs})
+    pages = read_stamps(build / FINGERPRINT_FILE)
+    if pages.pop(name, None) is not None:
+        write_stamps(build / FINGERPRINT_FILE, pages)
+    return caches
+
+
 def drop_cached(root: Path, stale: list[str]) -> None:
     """Remove the cached outputs of ``stale`` notebooks from every execution cache of the book."""
     from jupyter_cache import get_cache
@@ -506,7 +593,7 @@ def build_executed(root: Path) -> int:
         print(f"Inputs changed for {len(stale_cache)} of {len(new)} notebooks: dropping their cached outputs.")
         # jupyter-cache keys on code cells only; it would serve outputs of the old code.
         drop_cached(root, stale_cache)
-        cache_stamp.write_text(json.dumps({**cached, **new}, indent=1, sort_keys=True) + "\n")
+        write_stamps(cache_stamp, {**cached, **new})
     stale_pages = [nb for nb, digest in new.items() if pages.get(nb) != digest]
     if stale_pages:
         print(f"Re-reading {len(stale_pages)} pages whose inputs changed.")
@@ -518,7 +605,7 @@ def build_executed(root: Path) -> int:
         vendor_mathjax(root)
         rc = jupyter_book(root, root, root / "_config.yml", [])
     if rc == 0 and stale_pages:
-        pages_stamp.write_text(json.dumps({**pages, **new}, indent=1, sort_keys=True) + "\n")
+        write_stamps(pages_stamp, {**pages, **new})
     return rc
 
 

@@ -3,6 +3,7 @@
 Both tests go through tools/build_book.py, the same entry point as `make book`.
 """
 
+import os
 import posixpath
 import re
 import subprocess
@@ -186,6 +187,58 @@ def test_cache_follows_code_changes(tmp_path):
     assert "first-changed" in page.read_text() and "other-first" in other.read_text()
     assert "Inputs changed" not in stdout and "Re-reading" not in stdout, "nothing changed: incremental"
     assert unchanged <= 10, f"no-change rebuild took {unchanged:.1f} s, target is 10 s"
+
+
+def test_the_tests_execution_feeds_the_book(tmp_path, request):
+    """`make book` right after `make test` executes no notebook again and shows the tested outputs.
+
+    Each page prints a token that its execution also appends to a file: a page whose HTML shows
+    the token of the tests' run, with one line in the file, was not executed again by the book.
+    """
+    write_tiny_book(tmp_path)
+    for name in ("page", "other"):
+        nb = nbformat.read(tmp_path / f"{name}.ipynb", as_version=4)
+        nb.cells.append(
+            nbformat.v4.new_code_cell(
+                f"import os, uuid; token = uuid.uuid4().hex; print('token:', token)\n"
+                f"open('runs-{name}.txt', 'a').write(token + '\\n')\n"
+                f"assert os.environ.get('TINY_BOOK_FAIL') != '{name}'"
+            )
+        )
+        nbformat.write(nb, tmp_path / f"{name}.ipynb")
+
+    def tokens(name):
+        return (tmp_path / f"runs-{name}.txt").read_text().split()
+
+    def page(name):
+        return (tmp_path / "_build" / "html" / f"{name}.html").read_text()
+
+    def nbval(fail=""):
+        """The notebooks under nbval, as `make test` runs them, with the plugin conftest.py registers."""
+        env = {**os.environ, "PYTHONPATH": str(REPO_ROOT / "tools"), "TINY_BOOK_FAIL": fail}
+        args = ["-p", "book_cache", "--nbval-lax", "--nbval-current-env", "-p", "no:cacheprovider"]
+        command = [sys.executable, "-m", "pytest", *args, "page.ipynb", "other.ipynb"]
+        return subprocess.run(command, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=240)
+
+    assert request.config.pluginmanager.has_plugin("book_cache"), "conftest.py does not register tools/book_cache.py"
+
+    # other.ipynb fails an assert: only page.ipynb's run may reach the book.
+    tested = nbval(fail="other")
+    assert tested.returncode == 1 and "book cache: 1 notebooks stored" in tested.stdout, tested.stdout[-3000:]
+    stdout, _ = build_book("--root", tmp_path)
+    assert re.search(r"^\[ \d/2\] page\.ipynb  from the cache$", stdout, flags=re.M), stdout
+    assert re.search(r"^Notebooks: 1 executed in \d+\.\d s, 1 from the cache$", stdout, flags=re.M), stdout
+    assert len(tokens("page")) == 1 and tokens("page")[0] in page("page")
+    assert len(tokens("other")) == 2 and tokens("other")[1] in page("other")
+
+    # Both pass: the book (built before) shows this run's outputs and executes nothing.
+    tested = nbval()
+    assert tested.returncode == 0 and "book cache: 2 notebooks stored" in tested.stdout, tested.stdout[-3000:]
+    stdout, seconds = build_book("--root", tmp_path)
+    print(f"\ntiny book after its tests: {seconds:.1f} s, nothing executed")
+    assert re.search(r"^Notebooks: 0 executed in 0\.0 s, 2 from the cache$", stdout, flags=re.M), stdout
+    assert len(tokens("page")) == 2 and tokens("page")[1] in page("page") and tokens("page")[0] not in page("page")
+    assert len(tokens("other")) == 3 and tokens("other")[2] in page("other")
 
 
 # ---------------------------------------------------------------- six languages, six books
