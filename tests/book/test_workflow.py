@@ -25,12 +25,19 @@ def test_ci_script_runs_the_readme_test_command():
     assert readme_commands()[1] in commands
 
 
+def workflow_runs(job: dict) -> list[str]:
+    """The commands of a job's run steps, each without the `time ` that measures it."""
+    return [step["run"].strip().removeprefix("time ") for step in job["steps"] if "run" in step]
+
+
 def test_workflow_runs_readme_commands_and_deploys_the_book():
     workflow = yaml.safe_load((ROOT / ".github/workflows/book.yml").read_text())
     steps = workflow["jobs"]["build"]["steps"]
-    runs = [step["run"].strip() for step in steps if "run" in step]
-    assert runs == ["make test", "make book"]
-    assert set(runs) == set(readme_commands())
+    runs = workflow_runs(workflow["jobs"]["build"])
+    # The install on its own (so that its time shows apart), then the README's commands: tests first,
+    # whose notebook runs fill the book's execution cache, then the book, which executes nothing again.
+    assert runs == ["make .venv/.installed", "make test", "make book"]
+    assert set(runs[1:]) == set(readme_commands())
     upload = next(step for step in steps if step.get("uses", "").startswith("actions/upload-pages-artifact"))
     assert upload["with"]["path"] == "_build/html"
     deploy = workflow["jobs"]["deploy"]
@@ -81,3 +88,21 @@ def test_runtime_dependencies_are_declared():
     third_party = {name for name in found if name not in sys.stdlib_module_names and name != "distcourse"} - optional
     missing = {name for name in third_party if import_names.get(name, name).lower() not in declared}
     assert not missing, f"imported by code/distcourse but not in pyproject's dependencies: {sorted(missing)}"
+
+
+def test_workflow_times_each_step_and_caches_downloads():
+    """Every step prints its wall time; pip's and npm's downloads are cached between runs."""
+    workflow = yaml.safe_load((ROOT / ".github/workflows/book.yml").read_text())
+    job = workflow["jobs"]["build"]
+    runs = [step["run"].strip() for step in job["steps"] if "run" in step]
+    assert all(run.startswith("time ") for run in runs), runs
+    assert job["defaults"]["run"]["shell"] == "bash"  # `time` is bash's keyword; TIMEFORMAT is bash's
+    assert "%R" in job["env"]["TIMEFORMAT"]
+    setup = next(s for s in job["steps"] if s.get("uses", "").startswith("actions/setup-python"))
+    assert setup["with"]["cache"] == "pip" and setup["with"]["cache-dependency-path"] == "requirements.txt"
+    node = next(s for s in job["steps"] if s.get("uses", "").startswith("actions/setup-node"))
+    assert node["with"]["cache"] == "npm" and (ROOT / "package-lock.json").is_file()
+    # The Makefile's install target is the one the workflow times.
+    assert re.search(r"^STAMP := \$\(VENV\)/\.installed$", (ROOT / "Makefile").read_text(), flags=re.M)
+    # 2-core runner: make test about an hour; the book after it executes nothing (tools/book_cache.py).
+    assert job["timeout-minutes"] <= 90
