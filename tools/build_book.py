@@ -459,8 +459,10 @@ def build_languages(root: Path, out: Path, execute: bool, extra: list) -> int | 
 
     # Without execution a build is one busy Python process: two at a time use both cores of
     # a small machine. Executing books run one at a time, so that each notebook's ranks have
-    # the machine to themselves (and its progress line stays whole).
-    jobs = 1 if execute else min(2, os.cpu_count() or 1)
+    # the machine to themselves (and its progress line stays whole). With every notebook in
+    # the cache (after `make test`) nothing executes: two at a time again.
+    to_execute = execute and any(not_cached(root, book) for book in books)
+    jobs = 1 if to_execute else min(2, os.cpu_count() or 1)
     with ThreadPoolExecutor(max_workers=jobs) as pool:
         failed = [code for code, rc in pool.map(build, enumerate(books, 1)) if rc != 0]
     progress.summary()
@@ -469,6 +471,23 @@ def build_languages(root: Path, out: Path, execute: bool, extra: list) -> int | 
         return 1
     publish(books, out / "_build" / "html", root)
     return 0
+
+
+def not_cached(root: Path, book: LanguageBook) -> list[Path]:
+    """The notebooks of ``book`` that its build would execute: those without outputs in its cache."""
+    import nbformat
+    from jupyter_cache import get_cache
+
+    named = (yaml.safe_load(book.config.read_text(encoding="utf8")).get("execute") or {}).get("cache")
+    folder = (root / named).resolve() if named else book.out / "_build" / ".jupyter_cache"
+    cache = get_cache(folder) if folder.is_dir() else None
+    missing = []
+    for notebook in book_notebooks(book.toc, root):
+        try:
+            cache.match_cache_notebook(nbformat.read(notebook, as_version=4))
+        except (AttributeError, KeyError):  # no cache yet, or no match
+            missing.append(notebook)
+    return missing
 
 
 def read_stamps(path: Path) -> dict:
