@@ -3,6 +3,7 @@
 import os
 import signal
 import time
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
@@ -73,6 +74,17 @@ def unpicklable_result():
 
 def sleep_then_return(seconds=1.5):
     time.sleep(seconds)
+    return dist.get_rank()
+
+
+def wait_for_release(folder):
+    """Say so (folder/rank<N>.ready) once inside the rank function, process group up; return when
+    folder/release exists. The test looks at the ranks while they provably run, whatever the load."""
+    folder = Path(folder)
+    (folder / f"rank{dist.get_rank()}.ready").touch()
+    deadline = time.monotonic() + 120
+    while not (folder / "release").exists() and time.monotonic() < deadline:
+        time.sleep(0.02)
     return dist.get_rank()
 
 

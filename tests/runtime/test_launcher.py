@@ -171,14 +171,20 @@ def test_interrupted_cell_stops_every_rank(tmp_path):
     assert interrupted - interrupter.sent_at < 6
 
 
-def test_rendezvous_listens_on_loopback_only():
+def test_rendezvous_listens_on_loopback_only(tmp_path):
     box = {}
-    thread = threading.Thread(target=lambda: box.update(r=launch(w.sleep_then_return, 2, quiet=True)))
+    kwargs = {"folder": str(tmp_path)}
+    thread = threading.Thread(target=lambda: box.update(r=launch(w.wait_for_release, 2, kwargs=kwargs, quiet=True)))
     thread.start()
-    time.sleep(1.0)  # ranks are inside their sleep, process group up
+    # Look while both ranks are inside the rank function (process group up), as they say, not
+    # after a guessed number of seconds: a busy machine can take longer than that to start them.
+    deadline = time.monotonic() + 120
+    while len(list(tmp_path.glob("rank*.ready"))) < 2 and thread.is_alive() and time.monotonic() < deadline:
+        time.sleep(0.05)
     family = [psutil.Process()] + psutil.Process().children(recursive=True)
     pids = {p.pid for p in family}
     listening = [c for c in psutil.net_connections("inet") if c.status == psutil.CONN_LISTEN and c.pid in pids]
+    (tmp_path / "release").touch()
     thread.join()
     assert box["r"] == [0, 1]
     assert listening, "expected the store (and gloo) to be listening"
