@@ -72,11 +72,6 @@ def unpicklable_result():
     return lambda: None
 
 
-def sleep_then_return(seconds=1.5):
-    time.sleep(seconds)
-    return dist.get_rank()
-
-
 def wait_for_release(folder):
     """Say so (folder/rank<N>.ready) once inside the rank function, process group up; return when
     folder/release exists. The test looks at the ranks while they provably run, whatever the load."""
