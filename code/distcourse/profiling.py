@@ -36,23 +36,31 @@ def straggler_times(slow_rank: int = 1, extra: float = 0.02, steps: int = 6) -> 
     Every clock reading first waits for the work queued on the device (``common.timing``):
     on a GPU, ``backward`` and NCCL's all-reduce return before they have run, and a bare
     clock would put the wait into whichever phase next waits for the GPU.
+    The slow rank starts its extra loading only once every other rank has computed its
+    gradients (a barrier on a gloo group of its own, counted in the others' wait): it then
+    arrives last at the all-reduce, ``extra`` seconds at least after the others, however the
+    machine schedules the processes. A sleep alone makes that likely, not certain.
     Returns {phase: [seconds per step]} of every rank, gathered on all.
     """
-    device = rank_device()
+    device, slow = rank_device(), dist.get_rank() == slow_rank
     model = wrap_ddp(mlp(width=256, depth=2, seed=0), device)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
     generator = torch.Generator().manual_seed(dist.get_rank())
+    gate = dist.new_group(backend="gloo")  # CPU-side, whatever the backend of the gradients
     mine = {phase: [] for phase in PHASES}
     for step in range(steps + 1):  # step 0 warms up: not recorded
         t0 = clock(device)
         x, y = torch.randn(128, 64, generator=generator), torch.randint(0, 10, (128,), generator=generator)
-        if dist.get_rank() == slow_rank:
+        if slow:
+            dist.barrier(group=gate)  # the others have computed this step's gradients
             time.sleep(extra)  # a slower disk, a busier node, a longer sequence
         t1 = clock(device)
         with model.no_sync():
             optimizer.zero_grad()
             F.cross_entropy(model(x.to(device)), y.to(device)).backward()
         t2 = clock(device)
+        if not slow:
+            dist.barrier(group=gate)  # lets the slow rank start its extra work
         average_gradients(model)  # one all-reduce for all, as one DDP bucket
         t3 = clock(device)  # the averaged gradients' copy waits for NCCL on this stream: so does the clock
         optimizer.step()

@@ -118,6 +118,10 @@ def test_straggler_is_the_rank_that_waits_least():
         profiling.straggler_times, world_size=3, kwargs={"slow_rank": 1, "extra": 0.03, "steps": 3}, quiet=True
     )
     assert profiling.find_straggler(timings[0]["per rank"])["rank"] == 1
+    # By construction, not by the sleep's length: the others wait at least the slow rank's extra
+    # time in every step, since it starts that work only once they have all computed.
+    per_rank = timings[0]["per rank"]
+    assert all(wait >= 0.03 for rank in (0, 2) for wait in per_rank[rank]["all-reduce"]), per_rank
 
 
 def test_one_bucket_does_not_overlap_and_traces_are_written(tmp_path):
