@@ -182,3 +182,30 @@ def test_self_check_rejects_wrong_answers_and_accepts_the_right_one(capsys):
     assert ch02.check_weighted_reduce(raises) is False
     assert "KeyError" in capsys.readouterr().out
     assert ch02.check_weighted_reduce(weighted_reduce) is True
+
+
+def test_sync_batchnorm_gathers_mean_invstd_and_count():
+    """What the chapter says PyTorch's SyncBatchNorm exchanges in forward: each replica's mean,
+    1/sqrt(variance + eps) and count, all-gathered (torch/nn/modules/_functions.py)."""
+    import inspect
+
+    from torch.nn.modules import _functions
+
+    forward = inspect.getsource(_functions.SyncBatchNorm.forward)
+    assert "mean, invstd = torch.batch_norm_stats(" in forward
+    assert "torch.cat([mean, invstd, count]" in forward
+    assert "all_gather" in forward and "all_reduce" not in forward
+
+
+@pytest.mark.numerics
+def test_mean_invstd_and_count_carry_the_full_batch_moments():
+    """The same information as count, sum and sum of squares: the whole batch's mean and variance."""
+    h, eps = (torch.randn(30, 4) * 3 + 1).double(), 1e-5
+    chunks = h.tensor_split(3)
+    gathered = [(c.mean(0), 1 / torch.sqrt(c.var(0, unbiased=False) + eps), len(c)) for c in chunks]
+    total = sum(n for _, _, n in gathered)
+    mean = sum(n * m for m, _, n in gathered) / total
+    second = sum(n * (1 / s**2 - eps + m**2) for m, s, n in gathered) / total  # E[x²] from each chunk
+    numerics.assert_close(mean, h.mean(0), terms=30, dtype=torch.float64)
+    cancel = ((h * h).mean(0) / h.var(0, unbiased=False)).max().item()
+    numerics.assert_close(second - mean**2, h.var(0, unbiased=False), terms=round(30 * cancel), dtype=torch.float64)
