@@ -13,6 +13,7 @@ ring that the exercise's self-check runs.
 from __future__ import annotations
 
 import inspect
+import math
 import operator
 import os
 import warnings
@@ -78,7 +79,9 @@ def send_recv_demo() -> dict:
     t = torch.tensor([1.0, 2.0, 3.0], device=device) if rank == 0 else torch.zeros(3, device=device)
     before = _list(t)
     if rank == 0:
-        dist.send(t, dst=1)  # returns once rank 1 has the data
+        # gloo: returns once rank 1 has taken the data. nccl: returns at once; only the GPU
+        # stream waits (Work.wait() orders the current stream after the transfer).
+        dist.send(t, dst=1)
     elif rank == 1:
         dist.recv(t, src=0)
     received = _list(t)
@@ -164,7 +167,8 @@ def scatter_demo() -> dict:
 def reduce_scatter(output: torch.Tensor, inputs: list, native: bool = True) -> str:
     """``dist.reduce_scatter``, or the same result through all_reduce where a backend lacks it.
 
-    Returns which one ran. (gloo in PyTorch 2.13 has it; some older gloo builds did not.)
+    Returns which one ran. (gloo has it in every release the course supports, 2.11 and later,
+    and nccl always has; the fallback is for older releases, and for the forced comparison.)
     """
     if native:
         try:
@@ -251,7 +255,7 @@ def all_reduce_avg_demo() -> dict:
     try:
         dist.all_reduce(avg, op=dist.ReduceOp.AVG)
         how = "ReduceOp.AVG"
-    except (RuntimeError, ValueError):  # older gloo: "Cannot use ReduceOp.AVG with Gloo"
+    except (RuntimeError, ValueError):  # gloo before 2.11: "Cannot use ReduceOp.AVG with Gloo"
         avg, how = by_sum, "SUM, then / world size"
     return {"before": _list(t), "after": _list(avg), "sum / world size": _list(by_sum), "how": how}
 
@@ -405,6 +409,55 @@ def traffic_report(numel: int) -> dict:
 def bus_bandwidth(nbytes: float, seconds: float, n: int) -> float:
     """Bytes per second through each rank's link: what a ring all-reduce must move, over time."""
     return 2 * (n - 1) / n * nbytes / seconds
+
+
+# How far (a factor) the knee must lie from both ends of a sweep for the curve to bend visibly in it.
+KNEE_MARGIN = 4
+
+
+def log_log_slope(xs, ys) -> float:
+    """Least-squares slope of log(ys) against log(xs): 1 = proportional, 0 = flat."""
+    lx, ly = [math.log(x) for x in xs], [math.log(y) for y in ys]
+    mx, my = sum(lx) / len(lx), sum(ly) / len(ly)
+    return sum((a - mx) * (b - my) for a, b in zip(lx, ly)) / sum((a - mx) ** 2 for a in lx)
+
+
+def knee(sizes, seconds, n: int) -> dict:
+    """Fit the α-β model T = α + 2(n-1)/n · S/β to one all-reduce curve and say where its knee lies.
+
+    ``s_half`` is the size at which both terms are equal. ``where`` is ``"inside"`` when it lies
+    at least KNEE_MARGIN times from both ends of ``sizes``: only then can the measured bus
+    bandwidth bend within the sweep. ``"beyond"``: even the largest message is still overhead-bound
+    (a Python ring on fast GPU links); ``"below"``: already the smallest is bandwidth-bound.
+    ``small`` and ``large`` are the measured log-log slopes of bus bandwidth over the first and
+    the last five sizes.
+    """
+    # Fit T = a + b·S with each point weighted by its relative error (divide by T), so that a
+    # 1 KiB message counts as much as a 16 MiB one: a·(1/T) + b·(S/T) = 1, two normal equations.
+    scale = max(sizes)  # sizes in units of the largest: keeps the 2 x 2 system well conditioned
+    u = [1 / t for t in seconds]
+    v = [s / scale / t for s, t in zip(sizes, seconds)]
+    uu, uv, vv = sum(x * x for x in u), sum(x * y for x, y in zip(u, v)), sum(y * y for y in v)
+    det = uu * vv - uv * uv
+    a = (sum(u) * vv - sum(v) * uv) / det
+    b = (sum(v) * uu - sum(u) * uv) / det / scale
+    alpha = max(a, 0.0)
+    s_half = alpha / b if b > 0 else math.inf  # α = S·b there; no size term at all: never
+    if s_half > max(sizes) / KNEE_MARGIN:
+        where = "beyond"
+    elif s_half < min(sizes) * KNEE_MARGIN:
+        where = "below"
+    else:
+        where = "inside"
+    bw = [bus_bandwidth(s, t, n) for s, t in zip(sizes, seconds)]
+    return {
+        "alpha": alpha,
+        "beta": 2 * (n - 1) / n / b if b > 0 else math.inf,
+        "s_half": s_half,
+        "where": where,
+        "small": log_log_slope(sizes[:5], bw[:5]),
+        "large": log_log_slope(sizes[-5:], bw[-5:]),
+    }
 
 
 def _best_seconds(op, x: torch.Tensor, repeats: int) -> float:

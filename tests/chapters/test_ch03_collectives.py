@@ -1,5 +1,6 @@
 """Chapter 03: the collective demos, the ring all-reduce and its cost, and the self-check."""
 
+import math
 import time
 
 import numpy as np
@@ -52,7 +53,7 @@ def test_tour_of_collectives(n, no_leftovers):
     # The fallback (all_reduce, keep own chunk) gives the same pieces as the native operation.
     assert [t["reduce_scatter via all_reduce"]["after"] for t in tour] == [[s] for s in sums]
     assert tour[0]["reduce_scatter via all_reduce"]["how"] == "all_reduce, then keep own chunk"
-    assert tour[0]["reduce_scatter"]["how"] == "native dist.reduce_scatter"  # gloo in torch 2.13 has it
+    assert tour[0]["reduce_scatter"]["how"] == "native dist.reduce_scatter"  # gloo in every supported release
     assert all(t["all_gather"]["after"] == sums for t in tour)
 
 
@@ -90,6 +91,57 @@ def test_bandwidth_sweep_is_sane(no_leftovers):
             # Seconds of one call, the fastest of several timed within the run.
             assert all(0 < t < wall / (reps + 1) for t, reps in zip(r[name], repeats)), (name, r[name], wall)
     assert collectives.bus_bandwidth(1000, 0.5, 4) == pytest.approx(3000)
+
+
+SWEEP = [2**k for k in range(10, 25)]  # the chapter's sizes: 1 KiB ... 16 MiB
+MiB = 2**20
+
+
+def alpha_beta_curve(alpha, beta, n=2, jitter=0.0):
+    """Times T = α + 2(n-1)/n · S/β over SWEEP, each off by up to ``jitter`` (relative), deterministically."""
+    return [(alpha + 2 * (n - 1) / n * s / beta) * (1 + jitter * math.sin(3 * i)) for i, s in enumerate(SWEEP)]
+
+
+def old_bend_assert_holds(knee):
+    """The chapter's first check, applied to every curve: steeper at the small end than at the large end."""
+    return knee["small"] > knee["large"] + 0.2
+
+
+def test_a_cpu_like_curve_bends_inside_the_sweep():
+    # gloo over loopback on a 2-core machine: ~0.3 ms per call, ~1 GB/s; one call disturbed 3x.
+    times = alpha_beta_curve(300e-6, 1e9, jitter=0.15)
+    times[3] *= 3
+    knee = collectives.knee(SWEEP, times, 2)
+    assert knee["where"] == "inside" and 64 * 1024 < knee["s_half"] < 1024 * 1024
+    assert old_bend_assert_holds(knee)
+
+
+def test_an_overhead_bound_curve_is_not_asked_to_bend():
+    # A Python ring on NVLink: T(1 MiB) = 100 µs, T(16 MiB) = 140 µs; T is linear in S, as the model says.
+    b = 40e-6 / (15 * MiB)
+    times = [(100e-6 - b * MiB + b * s) * (1 + 0.03 * math.sin(3 * i)) for i, s in enumerate(SWEEP)]
+    assert times[SWEEP.index(MiB)] == pytest.approx(100e-6, rel=0.05)
+    assert times[-1] == pytest.approx(140e-6, rel=0.05)
+    knee = collectives.knee(SWEEP, times, 2)
+    assert not old_bend_assert_holds(knee)  # the old assert fails on it...
+    assert knee["where"] == "beyond" and knee["s_half"] > 16 * MiB  # ...and the fit says why: no knee to see
+    assert knee["large"] > 0.25  # what the chapter checks instead: bus bandwidth still rising at 16 MiB
+    # an exact α-β curve gives back its own α and β
+    exact = collectives.knee(SWEEP, alpha_beta_curve(20e-6, 5e10, n=4), 4)
+    assert exact["alpha"] == pytest.approx(20e-6) and exact["beta"] == pytest.approx(5e10)
+    assert exact["s_half"] == pytest.approx(20e-6 * 5e10 * 4 / 6)
+
+
+def test_nccl_like_and_bandwidth_bound_curves():
+    # nccl's own all-reduce on the same link: ~15 µs, ~150 GB/s: the knee (~2 MiB) lies inside, and bends.
+    knee = collectives.knee(SWEEP, alpha_beta_curve(15e-6, 150e9, jitter=0.05), 2)
+    assert knee["where"] == "inside" and old_bend_assert_holds(knee)
+    # a link so slow that even 1 KiB is bandwidth-bound: the knee lies below the sweep, the curve is flat
+    knee = collectives.knee(SWEEP, alpha_beta_curve(1e-6, 1e8, jitter=0.05), 2)
+    assert knee["where"] == "below" and knee["small"] < 0.75
+    # time that does not grow with size at all: overhead-bound at any size
+    assert collectives.knee(SWEEP, [1e-3] * len(SWEEP), 2)["where"] == "beyond"
+    assert collectives.log_log_slope([1, 2, 4], [3, 6, 12]) == pytest.approx(1)
 
 
 @pytest.mark.parametrize("n", [1, 2, 3, 5])
@@ -142,7 +194,7 @@ def test_single_tensor_collectives_and_avg(n, no_leftovers):
             assert "reduce_scatter_single" in s["warnings"][0] and "all_gather_single" in s["warnings"][1]
     avg = [t["all_reduce AVG"] for t in tour]
     assert all(a["after"] == a["sum / world size"] == [x / n for x in sums] for a in avg)
-    assert avg[0]["how"] == "ReduceOp.AVG"  # gloo in torch 2.13 has it
+    assert avg[0]["how"] == "ReduceOp.AVG"  # gloo in every supported release (2.11 and later)
 
 
 def test_tables_write_numbers_the_readers_way():
