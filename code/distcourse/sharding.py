@@ -5,9 +5,11 @@ Three parts, each readable on its own:
 1. the arithmetic: ``zero_bytes`` (the ZeRO stage formulas, in ``common/memory.py`` because
    chapters 09-10 use them too) and ``placement`` (what stays on the GPU and what moves to
    CPU memory when states are offloaded);
-2. measuring: ``measure_memory`` wraps the same model three ways on every rank (DDP,
-   DDP + ``ZeroRedundancyOptimizer``, FSDP2 ``fully_shard``), takes one Adam step and
-   counts the bytes each rank really holds: the local shards, not a formula;
+2. measuring: ``measure_memory`` wraps the same model several ways on every rank (DDP and
+   DDP + ``ZeroRedundancyOptimizer``, each with and without ``gradient_as_bucket_view``,
+   FSDP2 ``fully_shard``), takes one Adam step and counts the bytes each rank really holds:
+   the local shards and DDP's gradient buckets, not a formula; ``zero1_split`` shows how
+   ``ZeroRedundancyOptimizer`` divides any list of parameter shapes, without allocating them;
 3. correctness: ``fsdp_train`` trains with FSDP2 and gathers the full weights, to be
    compared with ``reference_train``, the same training in one process.
 
@@ -83,8 +85,42 @@ def storage_bytes(tensors) -> int:
     return sum(blocks.values())
 
 
-def memory_report(model: nn.Module, optimizer) -> dict:
-    """What this rank holds right after ``optimizer.step()``, by part, in bytes."""
+def record_buckets(ddp) -> dict:
+    """Keep every gradient bucket ``ddp`` all-reduces (index -> flat buffer), to count its memory.
+
+    A communication hook receives each bucket; this one keeps a reference to the bucket's
+    buffer, which DDP's reducer holds anyway, then all-reduces it as DDP does without a hook
+    (torch's ``allreduce_hook`` is there for that: "DDP results is expected to be same as the
+    case where no hook was registered", ddp_comm_hooks/default_hooks.py).
+    """
+    from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
+
+    buckets = {}
+
+    def keep_then_all_reduce(state, bucket):
+        buckets[bucket.index()] = bucket.buffer()
+        return allreduce_hook(state, bucket)
+
+    ddp.register_comm_hook(None, keep_then_all_reduce)  # None: the default process group
+    return buckets
+
+
+def bucket_bytes(buckets, grads) -> int:
+    """Bytes of the bucket blocks that hold no gradient: a second copy of the gradients.
+
+    With ``gradient_as_bucket_view=True`` every ``p.grad`` is a view into a bucket, so the
+    buckets are the gradients' own memory and add nothing.
+    """
+    grad_blocks = {local_part(g).untyped_storage().data_ptr() for g in grads}
+    blocks = {b.untyped_storage().data_ptr(): b.untyped_storage().nbytes() for b in buckets}
+    return sum(nbytes for ptr, nbytes in blocks.items() if ptr not in grad_blocks)
+
+
+def memory_report(model: nn.Module, optimizer, buckets=()) -> dict:
+    """What this rank holds right after ``optimizer.step()``, by part, in bytes.
+
+    ``buckets``: DDP's gradient buckets (``record_buckets``), counted where they are extra memory.
+    """
     params = list(model.parameters())
     grads = [p.grad for p in params if p.grad is not None]
     state = optimizer.optim.state if hasattr(optimizer, "optim") else optimizer.state  # ZeroRedundancyOptimizer
@@ -94,6 +130,7 @@ def memory_report(model: nn.Module, optimizer) -> dict:
         "params": local_bytes(params),
         "grads": local_bytes(grads),
         "optimizer": local_bytes(moments),
+        "buckets": bucket_bytes(buckets, grads),
         "step_counters": local_bytes(steps),
         "params_storage": storage_bytes(params),
         "grads_storage": storage_bytes(grads),
@@ -107,37 +144,65 @@ def _one_step(model, optimizer, device) -> None:
     optimizer.step()  # no zero_grad: the gradients should still be there to be counted
 
 
-def measure_memory(strategies=("ddp", "zero1", "fsdp")) -> dict:
-    """Rank function: for each strategy, one Adam step on a fresh model, then count bytes."""
+STRATEGIES = ("ddp", "ddp_view", "zero1", "zero1_view", "fsdp")
+
+
+def measure_memory(strategies=STRATEGIES) -> dict:
+    """Rank function: for each strategy, one Adam step on a fresh model, then count bytes.
+
+    ``ddp`` and ``zero1`` (DDP + ``ZeroRedundancyOptimizer``) use DDP's defaults; ``ddp_view``
+    and ``zero1_view`` the same with ``gradient_as_bucket_view=True``.
+    """
     from torch.distributed.optim import ZeroRedundancyOptimizer
 
     device = rank_device()
     report = {}
     for strategy in strategies:
         model = make_model().to(device)
-        if strategy == "ddp":
-            wrapped = wrap_ddp(model, device)
-            optimizer = torch.optim.Adam(wrapped.parameters(), lr=1e-3)
-        elif strategy == "zero1":  # DDP for the gradients, optimizer state sharded: ZeRO stage 1
-            wrapped = wrap_ddp(model, device)
-            optimizer = ZeroRedundancyOptimizer(wrapped.parameters(), optimizer_class=torch.optim.Adam, lr=1e-3)
+        buckets = {}
+        if strategy in ("ddp", "ddp_view", "zero1", "zero1_view"):
+            wrapped = wrap_ddp(model, device, gradient_as_bucket_view=strategy.endswith("_view"))
+            buckets = record_buckets(wrapped)
+            if strategy.startswith("zero1"):  # DDP for the gradients, optimizer state sharded: ZeRO stage 1
+                optimizer = ZeroRedundancyOptimizer(wrapped.parameters(), optimizer_class=torch.optim.Adam, lr=1e-3)
+            else:
+                optimizer = torch.optim.Adam(wrapped.parameters(), lr=1e-3)
         elif strategy == "fsdp":
             wrapped = shard_model(model)
             optimizer = torch.optim.Adam(wrapped.parameters(), lr=1e-3)
         else:
             raise ValueError(tr("unknown strategy {strategy}").format(strategy=repr(strategy)))
         _one_step(wrapped, optimizer, device)
-        report[strategy] = memory_report(model, optimizer)
+        report[strategy] = memory_report(model, optimizer, buckets.values())
         r = report[strategy]
         print(
             tr("{strategy}: weights {params} B  gradients {grads} B  optimizer {optimizer} B").format(
-                strategy=f"{strategy:5s}",
+                strategy=f"{strategy:10s}",
                 params=f"{number(r['params']):>7}",
                 grads=f"{number(r['grads']):>7}",
                 optimizer=f"{number(r['optimizer']):>7}",
             )
         )
     return report
+
+
+def zero1_split(shapes, world_size: int) -> list:
+    """Parameters per rank when ``ZeroRedundancyOptimizer`` shards Adam over ``world_size`` ranks.
+
+    Its own partitioning runs on parameters of these ``shapes`` on the meta device (shapes, no
+    memory) under ``pretend_ranks`` (one process pretending to be rank 0 of ``world_size``): it
+    sorts whole tensors by size and gives each to the rank with the fewest elements so far.
+    """
+    from torch.distributed.optim import ZeroRedundancyOptimizer
+
+    from .activations import pretend_ranks
+
+    with pretend_ranks(world_size):
+        params = [nn.Parameter(torch.empty(shape, device="meta")) for shape in shapes]
+        optimizer = ZeroRedundancyOptimizer(params, optimizer_class=torch.optim.Adam)
+        # The partition it keeps for all ranks (a private method: no public one returns it).
+        partition = optimizer._partition_parameters()
+        return [sum(p.numel() for group in groups for p in group["params"]) for groups in partition]
 
 
 def watch_unsharding() -> list:
@@ -155,6 +220,28 @@ def watch_unsharding() -> list:
     model(x.to(rank_device()))
     seen.append(look(tr("after forward")))
     return seen
+
+
+def root_after_forward(reshard_after_forward=None) -> dict:
+    """Rank function: what the first layer (a unit of its own) and the last (the root's) hold after forward.
+
+    ``None`` passes nothing: FSDP2's default, which reshards every unit but the root.
+    """
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    model = make_model().to(rank_device())
+    mesh = init_device_mesh(rank_device().type, (dist.get_world_size(),))
+    options = {} if reshard_after_forward is None else {"reshard_after_forward": reshard_after_forward}
+    fully_shard(model[0], mesh=mesh, **options)  # one inner unit...
+    fully_shard(model, mesh=mesh, **options)  # ...and the root, which owns every other layer's weights
+    x, _ = rank_batch(dist.get_rank(), dist.get_world_size())
+    model(x.to(rank_device()))
+
+    def held(weight):
+        return type(weight).__name__, tuple(local_part(weight).shape)
+
+    return {"unit": held(model[0].weight), "root": held(model[-1].weight)}
 
 
 # --------------------------------------------------------------------------------------

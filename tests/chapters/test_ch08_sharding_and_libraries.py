@@ -82,9 +82,44 @@ def test_measured_bytes_match_the_formulas(no_leftovers):
     memory = distcourse.launch(sharding.measure_memory, 2, quiet=True)
     psi = sum(p.numel() for p in sharding.make_model().parameters())
     for report in memory:
-        assert {k: report["ddp"][k] for k in sharding.PARTS} == sharding.zero_bytes(psi, 2, 0, sharding.FP32_ADAM)
+        for name in ("ddp", "ddp_view"):
+            assert {k: report[name][k] for k in sharding.PARTS} == sharding.zero_bytes(psi, 2, 0, sharding.FP32_ADAM)
         assert {k: report["fsdp"][k] for k in sharding.PARTS} == sharding.zero_bytes(psi, 2, 3, sharding.FP32_ADAM)
-    assert sum(r["zero1"]["optimizer"] for r in memory) == 8 * psi
+        # DDP's default buckets are a second copy of the fp32 gradients; as views they are the gradients
+        assert report["ddp"]["buckets"] == report["zero1"]["buckets"] == 4 * psi
+        assert report["ddp_view"]["buckets"] == report["zero1_view"]["buckets"] == report["fsdp"]["buckets"] == 0
+    assert sum(r["zero1"]["optimizer"] for r in memory) == sum(r["zero1_view"]["optimizer"] for r in memory) == 8 * psi
+
+
+def llama2_7b_shapes(vocab=32000, hidden=4096, ffn=11008, layers=32):
+    """The parameter tensors of Llama 2 7B: embedding, per block 2 norms, q k v o, gate up down; head."""
+    block = [(hidden,)] * 2 + [(hidden, hidden)] * 4 + [(ffn, hidden)] * 2 + [(hidden, ffn)]
+    return [(vocab, hidden)] + block * layers + [(hidden,), (vocab, hidden)]
+
+
+def gpt2_small_shapes(vocab=50257, hidden=768, context=1024, layers=12):
+    """GPT-2 small: token and position embeddings (the head shares the token embedding), 12 blocks."""
+    h = hidden
+    block = [(h,), (h,), (3 * h, h), (3 * h,), (h, h), (h,), (h,), (h,), (4 * h, h), (4 * h,), (h, 4 * h), (h,)]
+    return [(vocab, h), (context, h)] + block * layers + [(h,), (h,)]
+
+
+@pytest.mark.slow  # importing torch.distributed.optim takes seconds
+def test_zero1_splits_transformers_evenly_unless_one_tensor_dominates():
+    """What chapter 08 says of ZeroRedundancyOptimizer's greedy split, on real models' shapes."""
+    import math
+
+    llama = sharding.zero1_split(llama2_7b_shapes(), 8)
+    assert sum(llama) == sum(math.prod(s) for s in llama2_7b_shapes()) == 6_738_415_616
+    assert max(llama) < 1.02 * sum(llama) / 8  # many similar tensors: within 2% of the even share
+    gpt2 = sharding.zero1_split(gpt2_small_shapes(), 8)
+    assert sum(gpt2) == 124_439_808 and max(gpt2) == 50257 * 768  # one rank gets the embedding...
+    assert max(gpt2) > 2 * sum(gpt2) / 8  # ...more than twice the even share
+    # the chapter's MLP on 2 ranks: the 256 x 256 weight on one rank, everything else on the other
+    assert sorted(sharding.zero1_split([tuple(p.shape) for p in sharding.make_model().parameters()], 2)) == [
+        19466,
+        65536,
+    ]
 
 
 @pytest.mark.slow
@@ -96,6 +131,18 @@ def test_fsdp_training_equals_one_process_and_unshards_while_computing(no_leftov
     assert numerics.gap(sharded[0]["weights"], reference) < 1e-3
     seen = distcourse.launch(sharding.watch_unsharding, 2, quiet=True)
     assert [s[1:] for s in seen[0]] == [("DTensor", (128, 64)), ("Parameter", (256, 64)), ("DTensor", (128, 64))]
+
+
+@pytest.mark.slow
+def test_root_keeps_its_weights_after_forward_unless_told(no_leftovers):
+    """FSDP2's reshard_after_forward: the default frees every unit's weights after forward but the root's."""
+    seen = {
+        option: distcourse.launch(sharding.root_after_forward, 2, args=(option,), quiet=True)[0]
+        for option in (None, True, False)
+    }
+    assert seen[None] == {"unit": ("DTensor", (128, 64)), "root": ("Parameter", (10, 256))}
+    assert seen[True] == {"unit": ("DTensor", (128, 64)), "root": ("DTensor", (5, 256))}
+    assert seen[False] == {"unit": ("Parameter", (256, 64)), "root": ("Parameter", (10, 256))}
 
 
 @pytest.fixture(scope="module")
