@@ -46,7 +46,9 @@ def slurm_dry_run(
     The stand-ins answer ``scontrol show hostnames`` with ``nodes`` and record every srun
     call instead of starting anything, so the test sees the exact commands a cluster would get.
     ``srun_env``: a dict whose keys name variables; filled with their values as srun saw them
-    (None where unset), i.e. what the script exported for torchrun.
+    (None where unset), i.e. what the script exported for srun and torchrun. The script sees
+    no SLURM_*/SRUN_* variable but the stand-ins' (not even inside a real job), so a
+    variable the script forgets to export is missing here too.
     """
     options = sbatch_options(script)
     with tempfile.TemporaryDirectory() as tmp:
@@ -62,7 +64,7 @@ def slurm_dry_run(
             '    f.write(json.dumps([sys.argv[1:], dict(os.environ)]) + "\\n")',
         )
         env = {
-            **os.environ,
+            **{k: v for k, v in os.environ.items() if not k.startswith(("SLURM_", "SRUN_"))},
             "PATH": f"{bin_dir}{os.pathsep}{os.environ.get('PATH', '')}",
             "FAKE_NODES": ",".join(nodes),
             "FAKE_SRUN_LOG": str(log),

@@ -42,6 +42,9 @@ from .runtime.i18n import number, script_language, tr, use
 
 # What --print-env shows: the variables torchrun sets for each worker, and CUDA_VISIBLE_DEVICES,
 # which it does not set (unless --virtual-local-rank): workers inherit it from the agent.
+# Two of them torchrun sets only where they are unset (torch 2.13): OMP_NUM_THREADS=1 when a
+# node runs several workers (torch/distributed/run.py:872-884), and
+# TORCH_NCCL_ASYNC_ERROR_HANDLING=1 (torch/distributed/elastic/agent/server/local_elastic_agent.py:430-432).
 TORCHRUN_VARS = (
     "RANK",
     "LOCAL_RANK",
@@ -58,6 +61,7 @@ TORCHRUN_VARS = (
     "TORCHELASTIC_MAX_RESTARTS",
     "TORCHELASTIC_RUN_ID",
     "TORCHELASTIC_USE_AGENT_STORE",
+    "TORCH_NCCL_ASYNC_ERROR_HANDLING",
     "OMP_NUM_THREADS",
     "CUDA_VISIBLE_DEVICES",
 )
@@ -72,6 +76,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--out", type=pathlib.Path, help="the master writes final.pt and losses.jsonl here")
     p.add_argument("--ckpt-dir", type=pathlib.Path, help="save training state here; resume from it")
     p.add_argument("--save-every", type=int, default=5)
+    # 60 s suits the chapter's small runs on one machine; a cluster job waits longer for good
+    # reasons (rank 0 writing a checkpoint, an evaluation): the SLURM script passes 600.
     p.add_argument("--timeout", type=float, default=60.0, help="process group timeout, seconds")
     p.add_argument("--print-env", action="store_true", help="each rank prints its torchrun variables")
     p.add_argument(

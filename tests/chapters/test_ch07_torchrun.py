@@ -259,9 +259,12 @@ def test_slurm_script_is_valid_bash():
 def test_slurm_script_runs_torchrun_once_per_node_with_c10d_rendezvous():
     options = launchers.sbatch_options()
     assert options["nodes"] == "2" and options["ntasks-per-node"] == "1" and "gpus-per-node" in options
-    seen = {"TORCH_DISABLE_SHARE_RDZV_TCP_STORE": None}
+    seen = {"TORCH_DISABLE_SHARE_RDZV_TCP_STORE": None, "SRUN_CPUS_PER_TASK": None, "OMP_NUM_THREADS": None}
     calls = launchers.slurm_dry_run(nodes=("gpu17", "gpu18"), job_id="991", srun_env=seen)
     assert seen["TORCH_DISABLE_SHARE_RDZV_TCP_STORE"] == "1"  # a new store each round: restarts on 2 nodes work
+    # Slurm >= 22.05: srun passes the job's CPUs on to its task only through SRUN_CPUS_PER_TASK (or -c)
+    assert seen["SRUN_CPUS_PER_TASK"] == options["cpus-per-task"]
+    assert int(seen["OMP_NUM_THREADS"]) * int(options["gpus-per-node"]) == int(options["cpus-per-task"])
     assert len(calls) == 1
     words = calls[0]
     assert words[0] == "torchrun"
@@ -278,6 +281,23 @@ def test_slurm_script_runs_torchrun_once_per_node_with_c10d_rendezvous():
 
     args = get_args_parser().parse_args(words[1:])
     assert args.module and args.training_script == "distcourse.train" and args.max_restarts >= 1
+    # room for checkpoint writes and evaluation, more than the default meant for one machine
+    assert train.parse_args(args.training_script_args).timeout >= 600 > train.parse_args([]).timeout
+
+
+def test_slurm_dry_run_sees_a_missing_cpu_export(tmp_path, monkeypatch):
+    """The check above can fail: without the export srun sees no SRUN_CPUS_PER_TASK, even when
+    the dry run itself runs inside a job that has one."""
+    text = launchers.SLURM_SCRIPT.read_text()
+    line = "export SRUN_CPUS_PER_TASK=$SLURM_CPUS_PER_TASK\n"
+    assert text.count(line) == 1
+    old_script = tmp_path / "old.sbatch"
+    old_script.write_text(text.replace(line, ""))
+    monkeypatch.setenv("SRUN_CPUS_PER_TASK", "32")  # as in a real allocation
+    monkeypatch.setenv("SLURM_JOB_ID", "1")
+    seen = {"SRUN_CPUS_PER_TASK": None, "SLURM_JOB_ID": None}
+    launchers.slurm_dry_run(old_script, job_id="5", srun_env=seen)
+    assert seen == {"SRUN_CPUS_PER_TASK": None, "SLURM_JOB_ID": "5"}
 
 
 def test_slurm_script_follows_the_head_node():
