@@ -10,6 +10,7 @@ Three parts, each readable on its own:
    FSDP2 ``fully_shard``), takes one Adam step and counts the bytes each rank really holds:
    the local shards and DDP's gradient buckets, not a formula; ``zero1_split`` shows how
    ``ZeroRedundancyOptimizer`` divides any list of parameter shapes, without allocating them;
+   ``watch_unsharding`` and ``root_after_forward`` show what a layer holds around its forward;
 3. correctness: ``fsdp_train`` trains with FSDP2 and gathers the full weights, to be
    compared with ``reference_train``, the same training in one process.
 
