@@ -1,12 +1,15 @@
 """The tests' execution feeds the book: a notebook nbval executed is not executed again by `make book`.
 
 `make test` executes every notebook under nbval (one kernel per notebook, one test item per
-code cell, each cell's outputs kept on its item), and `make book` builds the pages from
-myst-nb's execution cache. This pytest plugin joins the two. When every code cell of a
-notebook has passed (its asserts, and conftest.py's check of its outputs), the notebook with
-the outputs nbval collected goes into the book's cache (tools/build_book.py,
-record_execution), with the fingerprint of the inputs it ran with. The book then publishes
-the very outputs whose asserts passed, and executes only what the tests did not.
+code cell), and `make book` builds the pages from myst-nb's execution cache. This pytest
+plugin joins the two. It reads the kernel's messages as nbval receives them and keeps each
+cell's outputs the way nbclient, the book's executor, would have written them (nbval's own
+record merges streams and ignores display updates: the launcher's live view of the ranks'
+output becomes their grouped output through an update). When every code cell of a notebook
+has passed (its asserts, and conftest.py's check of its outputs), the notebook with these
+outputs goes into the book's cache (tools/build_book.py, record_execution), with the
+fingerprint of the inputs it ran with. The book then publishes the very outputs whose
+asserts passed, and executes only what the tests did not.
 
 Not stored: a notebook with a failed, skipped or deselected cell (its outputs are not a
 whole passing run), one outside any book's table of contents, and one whose inputs (the
@@ -35,7 +38,12 @@ class Run:
     root: Path  # the book that lists the notebook
     inputs: str  # its fingerprint when the first cell started
     cells: int  # code cells in the notebook
-    outputs: dict = field(default_factory=dict)  # cell number: outputs of a passed cell
+    outputs: dict = field(default_factory=dict)  # cell number: its outputs, as nbclient keeps them
+    passed: set = field(default_factory=set)  # cell numbers whose call passed
+    cell: int = -1  # the cell running now
+    request: str | None = None  # its execute request's message id
+    displays: dict = field(default_factory=dict)  # display id: the outputs showing it
+    clear_before_next: bool = False  # clear_output(wait=True) is pending
     seconds: float = 0.0  # every phase of every cell, kernel start included
     complete: bool = True  # no cell failed, was skipped or xfailed
     language_info: dict | None = None  # from the kernel, as nbclient records it
@@ -54,6 +62,10 @@ def pytest_runtest_protocol(item, nextitem):
     notebook = _notebook_of(item)
     if notebook is not None and item.cell_num == 0:
         _start(notebook)
+    run = _RUNS.get(notebook.nodeid) if notebook is not None else None
+    if run is not None:
+        run.cell, run.request, run.clear_before_next = item.cell_num, None, False
+        run.outputs[item.cell_num] = []
     result = yield
     if notebook is not None and (nextitem is None or nextitem.parent is not notebook):
         _finish(notebook)
@@ -73,7 +85,7 @@ def pytest_runtest_makereport(item, call):
     elif report.when == "setup" and item.cell_num == 0:
         run.language_info = _language_info(notebook)
     elif report.when == "call":
-        run.outputs[item.cell_num] = copy.deepcopy(item.test_outputs or [])
+        run.passed.add(item.cell_num)
     return report
 
 
@@ -89,12 +101,20 @@ def _start(notebook) -> None:
         return
     inputs = build_book.fingerprints(root, [path.resolve()])
     cells = sum(cell.cell_type == "code" for cell in notebook.nb.cells)
-    _RUNS[notebook.nodeid] = Run(root, next(iter(inputs.values())), cells)
+    run = _RUNS[notebook.nodeid] = Run(root, next(iter(inputs.values())), cells)
+    receive = notebook.get_kernel_message  # nbval reads every iopub message of a cell through it
+
+    def get_kernel_message(*args, **kwargs):
+        message = receive(*args, **kwargs)
+        _record(run, message)
+        return message
+
+    notebook.get_kernel_message = get_kernel_message
 
 
 def _finish(notebook) -> None:
     run = _RUNS.pop(notebook.nodeid, None)
-    if run is None or not run.complete or set(run.outputs) != set(range(run.cells)):
+    if run is None or not run.complete or run.passed != set(range(run.cells)):
         return
     path = Path(str(notebook.path)).resolve()
     try:
@@ -112,24 +132,54 @@ def executed_notebook(source: nbformat.NotebookNode, run: Run) -> nbformat.Noteb
     executed = copy.deepcopy(source)
     code = [cell for cell in executed.cells if cell.cell_type == "code"]
     for number, cell in enumerate(code):
-        cell.outputs = [_as_output(out) for out in run.outputs[number]]
+        cell.outputs = copy.deepcopy(run.outputs[number])
         cell.execution_count = number + 1  # one kernel per notebook, every cell run once, in order
     if run.language_info:
         executed.metadata["language_info"] = run.language_info
     return executed
 
 
-def _as_output(out) -> nbformat.NotebookNode:
-    """nbval's record of one output (built from the kernel's message) as a notebook output."""
-    kind = out["output_type"]
-    if kind == "stream":
-        return nbformat.v4.new_output(kind, name=out["name"], text=out["text"])
-    if kind == "error":
-        return nbformat.v4.new_output(kind, ename=out["ename"], evalue=out["evalue"], traceback=out["traceback"])
-    fields = {"data": out.get("data", {}), "metadata": out.get("metadata", {})}
-    if kind == "execute_result":
-        fields["execution_count"] = out.get("execution_count")
-    return nbformat.v4.new_output(kind, **fields)
+def _record(run: Run, message: dict) -> None:
+    """One iopub message of the running cell into its outputs, as nbclient's process_message does."""
+    kind, content = message["msg_type"], message["content"]
+    parent = message.get("parent_header", {}).get("msg_id")
+    if kind == "execute_input" and run.request is None:
+        run.request = parent
+    if parent is None or parent != run.request:
+        return  # another request's message (nbval skips it too)
+    display_id = (content.get("transient") or {}).get("display_id")
+    if display_id and kind in ("execute_result", "display_data", "update_display_data"):
+        _update_display(run, display_id, message)
+    outputs = run.outputs[run.cell]
+    if kind == "clear_output":
+        if content.get("wait"):
+            run.clear_before_next = True
+        else:
+            outputs.clear()
+        return
+    if kind in ("status", "execute_input", "update_display_data", "execute_reply") or kind.startswith("comm"):
+        return
+    try:
+        out = nbformat.v4.output_from_msg(copy.deepcopy(message))
+    except ValueError:  # not an output
+        return
+    if run.clear_before_next:
+        outputs.clear()
+        run.clear_before_next = False
+    if display_id:
+        run.displays.setdefault(display_id, []).append(out)
+    outputs.append(out)
+
+
+def _update_display(run: Run, display_id: str, message: dict) -> None:
+    """Every output showing ``display_id``, in any cell, takes the message's data (nbclient's rule)."""
+    if display_id not in run.displays:
+        return
+    message = copy.deepcopy(message)
+    message["header"]["msg_type"] = message["msg_type"] = "display_data"
+    out = nbformat.v4.output_from_msg(message)
+    for shown in run.displays[display_id]:
+        shown["data"], shown["metadata"] = out["data"], out["metadata"]
 
 
 def _language_info(notebook) -> dict | None:

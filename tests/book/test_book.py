@@ -206,6 +206,17 @@ def test_the_tests_execution_feeds_the_book(tmp_path, request):
             )
         )
         nbformat.write(nb, tmp_path / f"{name}.ipynb")
+    # A display updated in place, as the launcher shows the ranks' output: the page shows its last state.
+    nb = nbformat.read(tmp_path / "page.ipynb", as_version=4)
+    nb.cells.append(
+        nbformat.v4.new_code_cell(
+            "from IPython.display import display\n"
+            "view = display({'text/plain': 'live ' + 'view'}, raw=True, display_id=True)\n"
+            "print('betw' + 'een')\n"
+            "view.update({'text/plain': 'final ' + 'view'}, raw=True)"
+        )
+    )
+    nbformat.write(nb, tmp_path / "page.ipynb")
 
     def tokens(name):
         return (tmp_path / f"runs-{name}.txt").read_text().split()
@@ -229,6 +240,7 @@ def test_the_tests_execution_feeds_the_book(tmp_path, request):
     assert re.search(r"^\[ \d/2\] page\.ipynb  from the cache$", stdout, flags=re.M), stdout
     assert re.search(r"^Notebooks: 1 executed in \d+\.\d s, 1 from the cache$", stdout, flags=re.M), stdout
     assert len(tokens("page")) == 1 and tokens("page")[0] in page("page")
+    assert "final view" in page("page") and "live view" not in page("page") and "between" in page("page")
     assert len(tokens("other")) == 2 and tokens("other")[1] in page("other")
 
     # Both pass: the book (built before) shows this run's outputs and executes nothing.
