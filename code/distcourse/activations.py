@@ -24,7 +24,6 @@ backward will need, on any device.
 
 from __future__ import annotations
 
-import contextlib
 import functools
 import json
 
@@ -34,6 +33,7 @@ from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
 
+from .common.distributed import pretend_ranks as pretend_ranks  # the chapter calls it from here
 from .common.memory import LAYOUTS, block_formula, local_bytes, saved_bytes, zero_bytes
 from .common.models import transformer
 from .common.timing import clock
@@ -168,24 +168,6 @@ def tracked_label(kind: str) -> str:
         "Total": tr("total"),
     }
     return words.get(kind, kind)
-
-
-@contextlib.contextmanager
-def pretend_ranks(world_size: int):
-    """A default process group of ``world_size`` ranks inside this one process, which sends nothing.
-
-    Each collective returns at once with tensors of the right shape (their values are wrong),
-    which is all a memory estimate needs: FSDP2 behaves as on rank 0 of ``world_size``.
-    """
-    # A private module: torch's "fake" backend and its store have no public home (torch's own
-    # init_process_group imports this module when asked for "fake" without a store).
-    from torch.testing._internal.distributed.fake_pg import FakeStore
-
-    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=world_size)
-    try:
-        yield
-    finally:
-        dist.destroy_process_group()
 
 
 def _snapshot(tracker, which: str, device_type: str) -> dict:

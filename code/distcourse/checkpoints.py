@@ -8,7 +8,7 @@ Three parts, each readable on its own:
 3. what goes wrong: ``save_and_die`` (a crash mid-write), ``RunsCodeWhenLoaded`` (why
    ``weights_only=True``).
 
-Builds on: ``common/checkpoint_files.py`` (atomic writes, ``load_checkpoint``, RNG state);
+Builds on: ``dataloaders.py`` (``reseed_worker``); ``common/checkpoint_files.py`` (atomic writes, RNG state);
 sharded checkpoints with ``torch.distributed.checkpoint`` are in ``distributed_checkpoints.py``.
 Rank functions live here, not in the notebook, because rank processes import them by name.
 Every ``torch.load`` in this module uses ``weights_only=True``.
@@ -319,6 +319,22 @@ class ResumableSampler(DistributedSampler):
         return self.num_samples - self.start
 
 
+def _augmenting_loader(images, resumable: bool, batch_size: int, num_workers: int, seed: int, rank: int):
+    """``augmented_batches``' DataLoader: chapter 01's recipe, or the resumable one."""
+    dataset = NoisyImages(images, seed=seed, per_sample_seed=resumable)
+    sampler_kind = ResumableSampler if resumable else DistributedSampler
+    sampler = sampler_kind(dataset, num_replicas=1, rank=0, shuffle=True, seed=seed, drop_last=True)
+    return DataLoader(
+        dataset,
+        batch_size=batch_size,
+        sampler=sampler,
+        num_workers=num_workers,
+        persistent_workers=num_workers > 0,
+        worker_init_fn=None if resumable else reseed_worker,
+        generator=None if resumable else torch.Generator().manual_seed(seed + rank),
+    )
+
+
 def augmented_batches(
     images: torch.Tensor,
     steps: int,
@@ -344,18 +360,8 @@ def augmented_batches(
     """
     with torch.random.fork_rng(devices=[]):  # a new job's generator, and the caller's left alone
         torch.manual_seed(seed)
-        dataset = NoisyImages(images, seed=seed, per_sample_seed=resumable)
-        sampler_kind = ResumableSampler if resumable else DistributedSampler
-        sampler = sampler_kind(dataset, num_replicas=1, rank=0, shuffle=True, seed=seed, drop_last=True)
-        loader = DataLoader(
-            dataset,
-            batch_size=batch_size,
-            sampler=sampler,
-            num_workers=num_workers,
-            persistent_workers=num_workers > 0,
-            worker_init_fn=None if resumable else reseed_worker,
-            generator=None if resumable else torch.Generator().manual_seed(seed + rank),
-        )
+        loader = _augmenting_loader(images, resumable, batch_size, num_workers, seed, rank)
+        sampler = loader.sampler
         step, epoch, first = (resume["step"], resume["epoch"], resume["batch"]) if resume else (0, 0, 0)
         pending_rng = resume.get("rng") if resume else None
         batches = []

@@ -196,7 +196,7 @@ def zero1_split(shapes, world_size: int) -> list:
     """
     from torch.distributed.optim import ZeroRedundancyOptimizer
 
-    from .activations import pretend_ranks
+    from .common.distributed import pretend_ranks
 
     with pretend_ranks(world_size):
         params = [nn.Parameter(torch.empty(shape, device="meta")) for shape in shapes]

@@ -2,11 +2,13 @@
 initialise the process group so that elastic restarts work.
 
 Chapter 07's ``train.py`` and chapter 12's capstone are both scripts that torchrun starts;
-this is what they share, so neither imports the other.
+this is what they share, so neither imports the other. Also ``pretend_ranks``: a process group
+of any size inside one process that sends nothing, for memory estimates (chapters 08 and 09).
 """
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import os
 import sys
@@ -154,3 +156,21 @@ def check_launcher_env() -> None:
                 sizes=f"WORLD_SIZE={world_size} / LOCAL_WORLD_SIZE={local_world_size}",
             )
         )
+
+
+@contextlib.contextmanager
+def pretend_ranks(world_size: int):
+    """A default process group of ``world_size`` ranks inside this one process, which sends nothing.
+
+    Each collective returns at once with tensors of the right shape (their values are wrong),
+    which is all a memory estimate needs: FSDP2 behaves as on rank 0 of ``world_size``.
+    """
+    # A private module: torch's "fake" backend and its store have no public home (torch's own
+    # init_process_group imports this module when asked for "fake" without a store).
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=world_size)
+    try:
+        yield
+    finally:
+        dist.destroy_process_group()
