@@ -11,6 +11,7 @@ Rank functions live here, not in the notebook, because rank processes import the
 from __future__ import annotations
 
 import pathlib
+import threading
 import time
 import warnings
 
@@ -194,6 +195,25 @@ def _snapshot(state: dict) -> dict:
     return copy.deepcopy(_full(state))
 
 
+def _gated_writer(path, gate):
+    """A ``FileSystemWriter`` whose background write starts only once ``gate`` is set.
+
+    The training loop sets it right after it has recorded whether ``async_save`` returned
+    before its checkpoint was written: so that answer holds by construction, not by whether
+    the small write happens to finish before the main thread looks. (Were ``async_save`` to
+    wait for the write, it would never return.)
+    """
+    from torch.distributed.checkpoint import FileSystemWriter
+
+    class GatedWriter(FileSystemWriter):
+        def write_data(self, plan, planner):
+            if not gate.wait(timeout=120):
+                raise TimeoutError("the checkpoint write was never released")
+            return super().write_data(plan, planner)
+
+    return GatedWriter(path)
+
+
 def dcp_async_save_while_training(directory, steps: int = 8, save_at=(3, 6)):
     """Rank function: FSDP2 training that checkpoints with ``dcp.async_save`` and keeps training.
 
@@ -225,15 +245,16 @@ def dcp_async_save_while_training(directory, steps: int = 8, save_at=(3, 6)):
                 pending.result()  # the previous save is complete (and raises here if it failed)
             expected[app.step] = _snapshot(app.state_dict())  # what this checkpoint must hold
             start = clock(device)  # after this step's kernels: the save's own time
-            pending = dcp.async_save(
-                {"app": app}, checkpoint_id=pathlib.Path(directory) / f"step-{app.step}", process_group=save_group
-            )
+            gate = threading.Event()
+            writer = _gated_writer(pathlib.Path(directory) / f"step-{app.step}", gate)
+            pending = dcp.async_save({"app": app}, storage_writer=writer, process_group=save_group)
             record = {
                 "step": app.step,
                 "returned after": clock(device) - start,
                 "still writing on return": not pending.done(),
                 "steps while writing": 0,
             }
+            gate.set()  # only now may the background thread write the files
             pending.add_done_callback(lambda _, r=record, t=start: r.update({"written after": time.perf_counter() - t}))
             saves.append(record)
     pending.result()

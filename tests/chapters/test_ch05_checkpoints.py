@@ -296,6 +296,7 @@ def test_async_save_with_its_own_group_while_training_goes_on(tmp, no_leftovers)
     for r in runs:
         assert [s["step"] for s in r["saves"]] == [2, 4, 6]
         assert all(s["written after"] >= s["returned after"] for s in r["saves"])  # the callback saw the end
+        assert all(s["still writing on return"] for s in r["saves"])  # the write waits until this was recorded
         for step in (2, 4, 6):
             assert r["loaded"][step]["step"] == step
             assert _equal(r["loaded"][step], r["expected"][step])  # the state of that step, not a later one
