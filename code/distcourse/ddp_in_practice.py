@@ -127,27 +127,42 @@ def unused_branch(x, y, find_unused_parameters: bool, steps: int = 2) -> dict:
 def skewed_speed(x, y, model_kwargs: dict, slow_rank: int = 1, extra_seconds: float = 0.05, steps: int = 8) -> dict:
     """Seconds per phase over ``steps`` steps, when ``slow_rank`` needs ``extra_seconds`` more
     per step (a slower GPU, a busier node, a longer sequence...). The extra time is a sleep
-    in the first phase."""
+    in the first phase.
+
+    The slow rank starts its extra work only once the others have finished their forward
+    (a barrier on a gloo group of its own, which the training never uses), so the others
+    wait at least ``extra_seconds`` in every backward by construction, however the
+    processes happen to be scheduled.
+    """
     rank = dist.get_rank()
     ddp = wrap(mlp(**model_kwargs))
     optimizer = torch.optim.SGD(ddp.parameters(), lr=0.1)
+    side = dist.new_group(backend="gloo")
     xs, ys, _ = my_share(x, y)
     phases = ["forward + own work", "backward (incl. waiting for the all-reduce)", "optimizer step"]
     seconds = dict.fromkeys(phases, 0.0)
-    for step in range(steps + 1):  # step 0 is a warm-up: first calls allocate memory
+    # Two warm-up steps: the first allocates memory; in the second's forward DDP rebuilds its
+    # buckets, a collective that a rank held at the barrier below would never join.
+    for step in range(steps + 2):
+        timed = step >= 2
         t0 = clock()
         if rank == slow_rank:
-            time.sleep(extra_seconds)
+            if timed:
+                dist.barrier(group=side)  # the others have computed their forward...
+            time.sleep(extra_seconds)  # ...and only now does this rank's extra work begin
         loss = F.cross_entropy(ddp(xs), ys)
         t1 = clock()
+        if rank != slow_rank and timed:
+            dist.barrier(group=side)
         loss.backward()  # finishes only when every bucket's all-reduce has finished
         t2 = clock()
         optimizer.step()
         optimizer.zero_grad()
         t3 = clock()
-        if step > 0:
+        if timed:
             for phase, dt in zip(phases, (t1 - t0, t2 - t1, t3 - t2)):
                 seconds[phase] += dt
+    dist.destroy_process_group(side)
     return seconds
 
 
