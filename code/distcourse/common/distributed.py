@@ -169,7 +169,9 @@ def pretend_ranks(world_size: int):
     # init_process_group imports this module when asked for "fake" without a store).
     from torch.testing._internal.distributed.fake_pg import FakeStore
 
-    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=world_size)
+    # A timeout like every group of the course, although nothing here ever waits.
+    timeout = datetime.timedelta(seconds=60)
+    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=world_size, timeout=timeout)
     try:
         yield
     finally:
