@@ -186,3 +186,33 @@ def test_launched_programs_get_the_language(language):
     assert libraries.launch_environment("lightning")["DISTCOURSE_LANG"] == "pt-BR"
     language("en")
     assert subprocesses.child_env()["DISTCOURSE_LANG"] == "en"
+
+
+def test_without_a_cjk_font_only_figures_go_back_to_english(monkeypatch, capsys):
+    """No CJK font: the notebook still prints Chinese; figures draw the English text, formatted."""
+    import matplotlib
+
+    matplotlib.use("agg")
+    import matplotlib.pyplot as plt
+
+    monkeypatch.setattr(i18n, "cjk_font", lambda code, install: None)
+    chinese = i18n.catalog("zh-CN")
+    template = "All-reduce time, {world} ranks, {backend}"
+    try:
+        assert i18n.set_language("zh-CN") == "zh-CN"
+        assert "fonts-noto-cjk" in capsys.readouterr().out
+        assert i18n.tr("Pipeline bubble, p = 2 stages") == chinese["Pipeline bubble, p = 2 stages"]
+        fig, ax = plt.subplots()
+        ax.set_title(i18n.tr("Pipeline bubble, p = 2 stages"))
+        ax.set_xlabel(i18n.tr(template).format(world=4, backend="gloo"))
+        ax.set_ylabel("1.5 ms")
+        assert ax.get_title() == "Pipeline bubble, p = 2 stages"
+        assert ax.get_xlabel() == "All-reduce time, 4 ranks, gloo"
+        assert ax.get_ylabel() == "1.5 ms"
+        plt.close(fig)
+    finally:
+        i18n.set_language("en")
+    fig, ax = plt.subplots()
+    ax.set_title(chinese["Pipeline bubble, p = 2 stages"])  # with the English book, text is drawn as given
+    assert ax.get_title() == chinese["Pipeline bubble, p = 2 stages"]
+    plt.close(fig)

@@ -25,8 +25,9 @@ English, ``1 234,5`` in Russian, ``1.234,5`` in Brazilian Portuguese). Rank proc
 Chinese and Korean labels need a CJK font. ``set_language`` looks for one among
 the installed fonts (Noto Sans CJK, Source Han Sans and the usual system fonts);
 with ``install_fonts=True`` (the setup cell passes it in Colab) it installs
-Debian's ``fonts-noto-cjk`` first if none is present. Without a CJK font the
-figures keep their English text, and a one-line message says how to get one.
+Debian's ``fonts-noto-cjk`` first if none is present. Without a CJK font only the
+figures keep their English text (``figures_in_english``), a one-line message says how to
+get one, and everything printed stays in the notebook's language.
 """
 
 from __future__ import annotations
@@ -36,7 +37,9 @@ import json
 import operator
 import os
 import pathlib
+import re
 import shutil
+import string
 import subprocess
 
 import yaml
@@ -128,7 +131,8 @@ def notebook_language() -> str:
 
 
 def set_language(code: str | None = None, install_fonts: bool = False) -> str:
-    """Draw figure text in language ``code`` (default: the notebook's) from now on.
+    """Text in language ``code`` (default: the notebook's) from now on, figures included
+    where a font draws its script.
 
     Returns the language in effect."""
     global _language, _catalog
@@ -136,7 +140,7 @@ def set_language(code: str | None = None, install_fonts: bool = False) -> str:
     entries = catalog(code)
     import matplotlib
 
-    family = ["DejaVu Sans"]
+    family, font = ["DejaVu Sans"], None
     if code in CJK_FONTS:
         font = cjk_font(code, install_fonts)
         if font is None:
@@ -148,16 +152,78 @@ def set_language(code: str | None = None, install_fonts: bool = False) -> str:
                     language=code,
                 )
             )
-            code, entries = "en", {}
         else:
             family.append(font)  # matplotlib falls back to it for glyphs DejaVu Sans lacks
     matplotlib.rcParams["font.family"] = family
     _language, _catalog = code, entries
+    figures_in_english(entries if code in CJK_FONTS and font is None else None)
     return code
 
 
+_to_english: list[tuple[re.Pattern, str, list[str]]] | None = None
+
+
+def _pattern(translated: str) -> tuple[re.Pattern, list[str]] | None:
+    """A regex that matches ``translated`` with its ``{fields}`` filled in, and the fields' names."""
+    try:
+        parts = list(string.Formatter().parse(translated))
+    except ValueError:
+        return None
+    regex, names = "", []
+    for literal, field, _spec, _conversion in parts:
+        regex += re.escape(literal)
+        if field is not None:
+            regex += "(.+?)"
+            names.append(field)
+    return re.compile(regex + r"\Z", re.S), names
+
+
+def english(text: str) -> str:
+    """The English of a translated (and possibly formatted) catalog text; ``text`` when none matches."""
+    if _to_english is None or text.isascii():  # English, numbers and tick labels pass as they are
+        return text
+    for pattern, source, names in _to_english:
+        found = pattern.match(text)
+        if found:
+            values = dict(zip(names, found.groups()))
+            parts = string.Formatter().parse(source)
+            return "".join(lit + (values.get(f, "") if f is not None else "") for lit, f, _s, _c in parts)
+    if "\n" in text:
+        return "\n".join(english(line) for line in text.split("\n"))
+    return text
+
+
+def figures_in_english(entries: dict[str, str] | None) -> None:
+    """Draw figure text in English (``entries``: the catalog to undo) or as given (None).
+
+    Without a CJK font matplotlib would draw empty boxes, but the notebook itself shows
+    Chinese and Korean well, so printed text stays translated and only what a figure draws
+    goes back to English. Every string a figure draws passes through ``Text.set_text``
+    (titles, labels, ticks, legends), so that one method is wrapped, once, and the wrapper
+    does nothing while ``_to_english`` is None."""
+    global _to_english
+    from matplotlib import text as mtext
+
+    if entries is None:
+        _to_english = None
+        return
+    _to_english = []
+    for source, translated in sorted(entries.items(), key=lambda kv: -len(kv[1])):  # longest first
+        compiled = None if translated.isascii() else _pattern(translated)
+        if compiled is not None:
+            _to_english.append((compiled[0], source, compiled[1]))
+    if not getattr(mtext.Text.set_text, "_distcourse", False):
+        original = mtext.Text.set_text
+
+        def set_text(self, s):
+            return original(self, english(s) if isinstance(s, str) else s)
+
+        set_text._distcourse = True
+        mtext.Text.set_text = set_text
+
+
 def language() -> str:
-    """The language figure text is drawn in."""
+    """The language text is written in (figures drawn in English when no font draws its script)."""
     return _language
 
 
