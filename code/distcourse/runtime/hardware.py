@@ -25,6 +25,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
+from . import gpus as gpu_profiles
 from .i18n import number, tr
 
 # More ranks than this on one machine is almost certainly a typo (world_size=2000
@@ -35,7 +36,8 @@ BACKENDS = ("gloo", "nccl")
 # fp16 needs a GradScaler and can overflow: a script asks for it, a plan never picks it.
 PRECISIONS = ("fp32", "bf16", "fp16")
 # bf16 matrix units arrived with compute capability 8.0 (A100); a T4 (7.5) only emulates bf16.
-BF16_COMPUTE_CAPABILITY = 8.0
+# One source of truth: the GPU profiles (runtime/gpus.py) decide, this is the same number as a float.
+BF16_COMPUTE_CAPABILITY = float(".".join(map(str, gpu_profiles.BF16_CAPABILITY)))
 
 
 def cpu_cores() -> int:
@@ -130,10 +132,16 @@ def _match(gpu_id: str, rows: Sequence[SmiGpu]) -> SmiGpu | None:
     return None  # e.g. a MIG slice
 
 
+def _row_bf16(row: SmiGpu) -> bool:
+    """What the GPU profiles say about this GPU: by name, else by what its capability implies."""
+    known = gpu_profiles.by_name(row.name)
+    if known is not None:
+        return known.native_bf16
+    return row.compute_capability is not None and row.compute_capability >= BF16_COMPUTE_CAPABILITY
+
+
 def _bf16(rows: Sequence[SmiGpu]) -> bool:
-    return bool(rows) and all(
-        r.compute_capability is not None and r.compute_capability >= BF16_COMPUTE_CAPABILITY for r in rows
-    )
+    return bool(rows) and all(_row_bf16(r) for r in rows)
 
 
 @dataclass(frozen=True)
