@@ -19,7 +19,7 @@ from .runtime.hardware import (  # noqa: E402
     rank_device,
     run_summary,
 )
-from .runtime.i18n import language, number, set_language, tr  # noqa: E402
+from .runtime.i18n import language, number, pad, set_language, tr  # noqa: E402
 from .runtime.launcher import LaunchError, LaunchTimeout, RankFailed, Results, launch, warm_up  # noqa: E402
 from .runtime.support import SUPPORTED_TORCH, UnsupportedTorch, check_torch  # noqa: E402
 
@@ -55,6 +55,7 @@ __all__ = [
     "warm_up",
     "language",
     "number",
+    "pad",
     "set_language",
     "tr",
 ]

@@ -216,3 +216,13 @@ def test_without_a_cjk_font_only_figures_go_back_to_english(monkeypatch, capsys)
     ax.set_title(chinese["Pipeline bubble, p = 2 stages"])  # with the English book, text is drawn as given
     assert ax.get_title() == chinese["Pipeline bubble, p = 2 stages"]
     plt.close(fig)
+
+
+def test_pad_counts_display_columns_so_cjk_rows_line_up():
+    rows = [("loss", "1.0"), ("损失", "2.0"), ("손실 값", "3.0"), ("потеря", "4.0")]
+    lines = [i18n.pad(label, 10) + value for label, value in rows]
+    assert {i18n.width(line) for line in lines} == {13}
+    assert [i18n.width(line[: -len("1.0")]) for line in lines] == [10] * 4
+    assert i18n.pad("12", 5, ">") == "   12"
+    assert i18n.pad("이름이 아주 긴 라벨", 4) == "이름이 아주 긴 라벨"  # never cut
+    assert f"{'损失':10s}" != i18n.pad("损失", 10)  # what format's width does instead

@@ -41,6 +41,7 @@ import re
 import shutil
 import string
 import subprocess
+import unicodedata
 
 import yaml
 
@@ -292,3 +293,19 @@ def number(value, digits: int | None = None, *, grouping: bool = True, scientifi
     else:
         pattern = whole + ("." + "0" * digits if digits else "")
     return numbers.format_decimal(value, pattern, locale=_babel_locale(_language))
+
+
+def width(text: str) -> int:
+    """Columns ``text`` takes in a monospaced font: two for each wide (CJK) character."""
+    return sum(2 if unicodedata.east_asian_width(c) in "WF" else 1 for c in text)
+
+
+def pad(text, columns: int, align: str = "<") -> str:
+    """``text`` padded with spaces to ``columns`` display columns (``align`` ``<`` or ``>``).
+
+    ``f"{label:20s}"`` counts characters, so a Chinese or Korean label, two columns per
+    character, pushes the rest of its row to the right; tables that show translated labels
+    pad with this instead."""
+    text = str(text)
+    spaces = " " * max(0, columns - width(text))
+    return text + spaces if align == "<" else spaces + text
