@@ -26,9 +26,12 @@ QUICK += ["--progress", "off", "--sample-bytes", "4", "--limit-windows", "40", "
 
 def tr_texts(module) -> list[str]:
     """The literal strings a module passes to ``tr``."""
-    tree = ast.parse(pathlib.Path(module.__file__).read_text(encoding="utf-8"))
+    path = pathlib.Path(module.__file__)  # a package: every file of it
+    files = sorted(path.parent.glob("*.py")) if path.name == "__init__.py" else [path]
+    trees = [ast.parse(f.read_text(encoding="utf-8")) for f in files]
     return [
         node.args[0].value
+        for tree in trees
         for node in ast.walk(tree)
         if isinstance(node, ast.Call)
         and getattr(node.func, "id", None) == "tr"

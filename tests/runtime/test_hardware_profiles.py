@@ -701,7 +701,7 @@ def test_the_scan_finds_the_torchrun_runs():
     shapes = {(run.where.split(":")[0], shape) for run in TORCHRUNS for shape in run.shapes(cpu)}
     assert ("12-capstone-at-scale cell 12", (2, 1)) in shapes  # two nodes on one machine
     assert ("07-torchrun cell 8", (1, 2)) in shapes  # --standalone --nproc-per-node=2
-    assert ("code/distcourse/capstone.py", (2, 4)) in shapes  # its docstring: --nnodes 2 --nproc-per-node 4
+    assert ("code/distcourse/capstone/__init__.py", (2, 4)) in shapes  # its docstring: --nnodes 2 --nproc-per-node 4
     assert ("code/distcourse/libraries.py", (1, 2)) in shapes  # an argv list with an f-string
     assert len(TORCHRUNS) >= 15 and any(n > 1 for _, (n, _) in shapes)
 
