@@ -226,24 +226,54 @@ def estimate_memory(
         return {"peak": _snapshot(tracker, "peak", device_type), "after step": after_step}
 
 
+def memory_check(gpu_count: int) -> dict:
+    """How the GPU cell of section 9 checks the estimate on a machine with ``gpu_count`` GPUs.
+
+    "world size": 2 when there are 2 GPUs, so that FSDP2 really all-gathers and reduce-scatters
+    (at world size 1 it skips both: ``_fsdp_param_group.py``, ``unshard``), else 1 (None: no GPU);
+    "compare": the allocator's statistic the estimate is compared with. ``FSDPMemTracker`` follows
+    tensors, like the allocator's *active* bytes (blocks in use, rounded up to the allocator's
+    block sizes); PyTorch's tests of the tracker compare with ``active_bytes.all.peak`` on real
+    tensors. "tolerance": the relative gap allowed, theirs (10%).
+    """
+    world = min(2, gpu_count) or None
+    return {"world size": world, "compare": "active", "tolerance": 0.1}
+
+
+_PEAKS = {
+    "allocated": "allocated_bytes.all.peak",
+    "active": "active_bytes.all.peak",
+    "reserved": "reserved_bytes.all.peak",
+}
+
+
+def _cuda_peaks(device) -> dict:
+    stats = torch.cuda.memory_stats(device)
+    return {name: stats[key] for name, key in _PEAKS.items()}
+
+
 def measure_memory(*, layers: int, hidden: int, heads: int, batch: int, seq: int, snapshot: str | None = None) -> dict:
     """Rank function: the training ``estimate_memory`` describes, for real; on a GPU, its peak bytes.
 
-    The caching allocator counts every byte it hands out: ``max_memory_allocated`` after the
-    two steps, minus what was allocated before the model, is the number to compare with the
-    estimate (PyTorch's own tests of the tracker allow 10%). With ``snapshot`` (a file path),
-    the allocator also records every allocation with its stack and writes them there, for
-    https://pytorch.org/memory_viz. On a CPU there is no allocator to ask: returns None.
+    The caching allocator counts three peaks, each minus what it held before the model:
+    "allocated" (bytes handed out), "active" (blocks in use, what ``FSDPMemTracker`` models) and
+    "reserved" (what it took from the driver, free blocks included: the number that decides an
+    out-of-memory error). "peak" is the active one; "totals" are the peaks without the
+    subtraction. With ``snapshot`` (a file path, rank 0) the allocator also records every
+    allocation with its stack and writes them there, for
+    https://pytorch.org/memory_viz. On a CPU there is no allocator to ask: the peaks are None.
     """
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
 
     device = rank_device()
     if device.type != "cuda":
-        return {"peak": None, "snapshot": None}
+        return {"peak": None, "peaks": None, "totals": None, "snapshot": None}
     nn.Linear(8, 8, device=device)(torch.randn(2, 8, device=device)).sum().backward()  # cuBLAS workspace: not ours
     torch.cuda.reset_peak_memory_stats(device)
-    before = torch.cuda.memory_allocated(device)
+    stats = torch.cuda.memory_stats(device)
+    before = {name: stats[key.replace(".peak", ".current")] for name, key in _PEAKS.items()}
+    snapshot = snapshot if dist.get_rank() == 0 else None
     if snapshot:  # a private API, the only way to record the allocator's history
         torch.cuda.memory._record_memory_history(max_entries=100_000)
     mesh = init_device_mesh("cuda", (dist.get_world_size(),))
@@ -257,11 +287,12 @@ def measure_memory(*, layers: int, hidden: int, heads: int, batch: int, seq: int
         model(x).square().mean().backward()
         optimizer.step()
         optimizer.zero_grad()
-    peak = torch.cuda.max_memory_allocated(device) - before
+    totals = _cuda_peaks(device)
+    peaks = {name: totals[name] - before[name] for name in totals}
     if snapshot:
         torch.cuda.memory._dump_snapshot(snapshot)
         torch.cuda.memory._record_memory_history(enabled=None)
-    return {"peak": peak, "snapshot": snapshot}
+    return {"peak": peaks["active"], "peaks": peaks, "totals": totals, "snapshot": snapshot}
 
 
 # --------------------------------------------------------------------------------------

@@ -6,9 +6,11 @@
    ``GradScaler`` does when a scaled gradient overflows;
 4. ``ring_sum``: why gradients are reduced in fp32: a bf16 sum over many ranks loses digits;
 5. ``matmul_precision``: what ``torch.set_float32_matmul_precision`` changes (TF32 on GPUs),
-   timed against bf16;
+   timed against bf16; ``tf32_expectations``: what that timing may assert on a given GPU,
+   decided from its profile (``runtime.gpus``), not from its compute capability alone;
 6. rank functions: ``ddp_train`` (DDP with fp32, bf16 autocast or fp16 autocast + GradScaler)
-   and ``fsdp_policy`` (FSDP2's ``MixedPrecisionPolicy``: the dtypes it really uses).
+   and ``fsdp_policy`` / ``fsdp_policies`` (FSDP2's ``MixedPrecisionPolicy``: the dtypes it
+   really uses, and whether the gradients were reduced in bf16).
 
 Rank functions live here, not in the notebook, because rank processes import them by name.
 """
@@ -29,6 +31,7 @@ from .common.numerics import relative_gap
 from .common.sharded import make_model, shard_model
 from .common.timing import best_of, clock
 from .common.training import global_mean, wrap_ddp
+from .runtime import gpus
 from .runtime.hardware import rank_device
 from .runtime.i18n import number, tr
 
@@ -170,6 +173,8 @@ def precision_switches(precision: str) -> dict:
     """The backend switches that ``set_float32_matmul_precision(precision)`` turns, read back."""
     with float32_matmul_precision(precision):
         switches = {"torch.backends.cuda.matmul.allow_tf32": torch.backends.cuda.matmul.allow_tf32}
+        # Convolutions are cuDNN's: TF32 by default, whatever the matmul setting says.
+        switches["torch.backends.cudnn.allow_tf32"] = torch.backends.cudnn.allow_tf32
         for backend in ("cuda", "mkldnn"):  # the per-backend settings of torch 2.9 and later
             matmul = getattr(getattr(torch.backends, backend), "matmul", None)
             if matmul is not None and hasattr(matmul, "fp32_precision"):
@@ -198,6 +203,48 @@ def matmul_precision(device_type: str = "cpu", size: int = 4096, repeats: int = 
             seconds = best_of(lambda x=x, y=y: x @ y, repeats, device_type, warmup=1)
         runs[name] = {"seconds": seconds, "gap": relative_gap(out, exact), "dtype": out.dtype}
     return runs
+
+
+def tf32_expectations(profile: gpus.GpuProfile | None) -> dict:
+    """What the TF32 timing may assert on this GPU (``profile``; None on a CPU), from its data sheet.
+
+    "tf32": "high" lets fp32 products use TF32 tensor cores (sm >= 80), so the three products
+        differ in exactness in the order bf16, TF32, fp32;
+    "bf16 faster": bf16 products beat TF32 ones (every part with bf16 tensor cores: 2x on paper);
+    "min speedup": the fp32/TF32 time ratio to assert, or None. The ratio of dense peaks is a
+        product decision (8x on an A100, 2x on an L4, 1x on an RTX 4090), and a measured ratio
+        reaches only part of it, so a speed-up is asserted only where the data sheet promises
+        at least ``gpus.CLEAR_TF32_SPEEDUP`` and then only half of that (2x).
+    """
+    ratio = gpus.tf32_speedup(profile)
+    clear = ratio is not None and ratio >= gpus.CLEAR_TF32_SPEEDUP
+    return {
+        "tf32": profile is not None and profile.native_tf32,
+        "bf16 faster": profile is not None and profile.native_bf16,
+        "data sheet ratio": ratio,
+        "min speedup": gpus.CLEAR_TF32_SPEEDUP / 2 if clear else None,
+    }
+
+
+def describe_tf32(profile: gpus.GpuProfile | None, expect: dict) -> str:
+    """One sentence, before the timing runs: what it will show on this GPU and why."""
+    if profile is None:
+        return tr("No GPU: this cell only checks that the products stay fp32.")
+    name, ratio = profile.key, expect["data sheet ratio"]
+    if not expect["tf32"]:
+        return tr('{gpu} has no TF32 tensor cores: "high" changes nothing there; bf16 is timed for comparison.').format(
+            gpu=name
+        )
+    if expect["min speedup"]:
+        return tr(
+            "{gpu}: the data sheet's dense TF32/fp32 ratio is {ratio}, "
+            "so the cell asserts TF32 at least {least}x faster."
+        ).format(gpu=name, ratio=number(ratio, 1), least=number(expect["min speedup"], 0))
+    sheet = number(ratio, 1) if ratio else tr("not known")
+    return tr(
+        "{gpu}: the data sheet's dense TF32/fp32 ratio is {ratio}; too small to assert a speed-up, so the cell "
+        "only prints the measured ratio."
+    ).format(gpu=name, ratio=sheet)
 
 
 # --------------------------------------------------------------------------------------
@@ -286,7 +333,16 @@ def fsdp_policy(param_dtype: str | None = "bf16", reduce_dtype: str | None = "fp
         loss = F.cross_entropy(model(x).float(), y)
         optimizer.zero_grad()
         loss.backward()
-        record("sharded gradient", model[0].weight.grad.dtype)
+        grad = model[0].weight.grad
+        record("sharded gradient", grad.dtype)
+        if step == 0:  # reduced in bf16, then stored as fp32: every value is a bf16 number
+            local = grad.to_local()
+            bf16_exact = (local == local.bfloat16().float()).float().mean().item()
         optimizer.step()
         losses.append(global_mean(loss))
-    return {"dtypes": seen, "losses": losses}
+    return {"dtypes": seen, "losses": losses, "bf16-exact gradients": bf16_exact}
+
+
+def fsdp_policies(policies: dict, steps: int = 5) -> dict:
+    """Rank function: ``fsdp_policy`` for each ``{name: (param_dtype, reduce_dtype)}``, in one launch."""
+    return {name: fsdp_policy(param, reduce, steps) for name, (param, reduce) in policies.items()}

@@ -12,7 +12,9 @@
    (``tp_variants``: the three variants in one launch);
 4. ``context_parallel_defaults`` and ``context_parallel_attention`` (rank function, GPUs
    only): how PyTorch's context parallelism moves keys and values, and a causal attention
-   split along the sequence, forward and backward, against full attention.
+   split along the sequence, forward and backward, against full attention; ``cp_dtype`` and
+   ``cp_kernels`` decide its dtype and attention kernels from the GPU's profile
+   (``runtime.gpus``): bf16 where flash or memory-efficient attention takes it, else fp16.
 
 Rank functions live here, not in the notebook, because rank processes import them by name.
 """
@@ -30,7 +32,9 @@ from .common import numerics
 from .common.memory import saved_bytes
 from .common.models import gpt
 from .common.sharded import count_collectives, full
+from .runtime import gpus
 from .runtime.hardware import rank_device
+from .runtime.i18n import tr
 
 # What each change of placement costs: the collective DTensor issues. On a CPU mesh DTensor does
 # not use all-to-all (``shard_dim_alltoall`` in torch/distributed/tensor/_collective_utils.py
@@ -391,7 +395,36 @@ def context_parallel_defaults() -> dict:
     return {"rotate method": methods[_cp_options.rotate_method], "load balancing": _cp_options.enable_load_balance}
 
 
-def context_parallel_attention(seq: int = 4096, heads: int = 8, head_dim: int = 64) -> dict:
+# The attention kernels context parallelism has sharding rules for, in the order it is shown them.
+CP_KERNELS = ("flash", "efficient")
+CP_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+def cp_kernels(profile: gpus.GpuProfile | None, dtype: str) -> tuple[str, ...]:
+    """The CP-capable attention kernels that take ``dtype`` ("bf16", "fp16") on this GPU."""
+    usable = gpus.sdpa_kernels(profile, CP_DTYPES[dtype]) if profile is not None else frozenset()
+    return tuple(k for k in CP_KERNELS if k in usable)
+
+
+def cp_dtype(profile: gpus.GpuProfile | None) -> str | None:
+    """The dtype of the CP demo on this GPU: bf16 where a CP kernel takes it (sm >= 80), else fp16
+    (memory-efficient attention takes fp16 below sm80, not bf16), None without one (a CPU)."""
+    for dtype in CP_DTYPES:
+        if cp_kernels(profile, dtype):
+            return dtype
+    return None
+
+
+def describe_cp(profile: gpus.GpuProfile | None, dtype: str | None) -> str:
+    """One sentence, before the run: what the CP cell will do on this GPU."""
+    if dtype is None:
+        return tr("No CUDA attention kernel for context parallelism here: the run is skipped.")
+    return tr("{gpu}: context parallelism runs in {dtype} with the {kernels} attention kernel(s).").format(
+        gpu=profile.key, dtype=dtype, kernels=", ".join(cp_kernels(profile, dtype))
+    )
+
+
+def context_parallel_attention(seq: int = 4096, heads: int = 8, head_dim: int = 64, dtype: str = "bf16") -> dict:
     """Rank function, GPUs only: causal attention with the sequence split over the ranks, forward and backward.
 
     ``context_parallel`` shards q, k, v and the output gradient along the sequence (in place,
@@ -402,7 +435,8 @@ def context_parallel_attention(seq: int = 4096, heads: int = 8, head_dim: int = 
     and compared with full attention computed on every rank: "gaps" are relative gaps
     (``common.numerics.relative_gap``; the tensors are too large to send back). There is no
     CPU version: its sharding rules exist only for the CUDA flash and memory-efficient
-    attention kernels.
+    attention kernels. ``dtype`` ("bf16" or "fp16", see ``cp_dtype``) picks the kernels that
+    take it on this GPU (``cp_kernels``); a GPU without one is refused before any work.
     """
     from torch.distributed.tensor.experimental import context_parallel
     from torch.distributed.tensor.experimental._attention import context_parallel_unshard
@@ -411,12 +445,17 @@ def context_parallel_attention(seq: int = 4096, heads: int = 8, head_dim: int = 
     device = rank_device()
     if device.type != "cuda":
         raise RuntimeError("context parallelism needs CUDA attention kernels; this rank runs on the CPU")
+    kernels = cp_kernels(gpus.current(device), dtype)
+    if not kernels:
+        raise RuntimeError(f"no attention kernel for context parallelism takes {dtype} on this GPU")
+    backends = {"flash": SDPBackend.FLASH_ATTENTION, "efficient": SDPBackend.EFFICIENT_ATTENTION}
     mesh = _mesh()
     generator = torch.Generator(device=device).manual_seed(0)  # the same q, k, v and dout on every rank
     q, k, v, dout = (
-        torch.randn(2, heads, seq, head_dim, device=device, dtype=torch.bfloat16, generator=generator) for _ in range(4)
+        torch.randn(2, heads, seq, head_dim, device=device, dtype=CP_DTYPES[dtype], generator=generator)
+        for _ in range(4)
     )
-    with sdpa_kernel([SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION]):
+    with sdpa_kernel([backends[k] for k in kernels]):
         leaves = [t.clone().requires_grad_() for t in (q, k, v)]
         full_out = F.scaled_dot_product_attention(*leaves, is_causal=True)
         full_out.backward(dout)
@@ -430,4 +469,4 @@ def context_parallel_attention(seq: int = 4096, heads: int = 8, head_dim: int = 
     whole = [full_out.detach()] + [t.grad for t in leaves]
     names = ("output", "dq", "dk", "dv")
     gaps = {n: numerics.relative_gap(a.float(), b.float()) for n, a, b in zip(names, split, whole)}
-    return {"sequence": seq, "local sequence": local, "gaps": gaps}
+    return {"sequence": seq, "local sequence": local, "gaps": gaps, "dtype": dtype, "kernels": kernels}

@@ -6,7 +6,8 @@ module, and gradient clipping, each checked against one process.
    ``torch.compile`` of each block (optional), then ``fully_shard`` on each block and on the
    root module (on "dp");
 2. ``clip_grad_norm``: ``clip_grad_norm_`` for gradients that live on different meshes: one
-   norm per mesh, made whole with ``full_tensor()``, then combined (torchtitan does the same);
+   norm per mesh, made whole with ``full_tensor()``, then combined (torchtitan does the same),
+   by the sum of p-th powers or, for ``norm_type=inf``, by the maximum;
 3. ``train`` (rank function, 4 ranks as dp = 2 x tp = 2): a few SGD steps with clipping,
    checked against ``reference`` (one process, the same weights, batches and clipping);
    ``pitfalls`` (rank function): the root module left out of FSDP, and a model whose
@@ -82,20 +83,22 @@ def parallelize(
 
 
 @torch.no_grad()
-def clip_grad_norm(parameters, max_norm: float) -> torch.Tensor:
-    """``clip_grad_norm_`` for gradients on several meshes: the 2-norm of all of them, then clip.
+def clip_grad_norm(parameters, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
+    """``clip_grad_norm_`` for gradients on several meshes: the norm of all of them, then clip.
 
     ``torch.nn.utils.clip_grad_norm_`` stacks the norms of all gradients, which DTensor
     refuses across meshes. Here each mesh's gradients get one norm (a DTensor: its
-    ``full_tensor()`` is the all-reduce of the shards' squares), plain tensors another, and
-    the total is the root of the sum of their squares.
+    ``full_tensor()`` is the all-reduce of the shards' parts), plain tensors another, and the
+    per-mesh norms are combined as the norm of the whole: the p-th root of the sum of their
+    p-th powers, or their maximum for ``norm_type=inf`` (a sum of maxima is not a maximum).
     """
+    norm_type = float(norm_type)
     groups = {}
     for p in parameters:
         if p.grad is not None:
             groups.setdefault(getattr(p.grad, "device_mesh", None), []).append(p)
-    norms = [full(nn.utils.get_total_norm([p.grad for p in ps])) for ps in groups.values()]
-    total = torch.stack(norms).square().sum().sqrt()
+    norms = torch.stack([full(nn.utils.get_total_norm([p.grad for p in ps], norm_type)) for ps in groups.values()])
+    total = norms.max() if norm_type == float("inf") else norms.pow(norm_type).sum().pow(1.0 / norm_type)
     for ps in groups.values():
         nn.utils.clip_grads_with_norm_(ps, max_norm, total)
     return total

@@ -74,6 +74,7 @@ def test_matmul_precision_switches_are_read_back_and_restored():
     switches = {p: mixed_precision.precision_switches(p) for p in ("highest", "high", "medium")}
     assert [s["torch.backends.cuda.matmul.allow_tf32"] for s in switches.values()] == [False, True, True]
     assert switches["medium"]["torch.backends.mkldnn.matmul.fp32_precision"] == "bf16"
+    assert all(s["torch.backends.cudnn.allow_tf32"] for s in switches.values())  # convolutions: TF32 by default
     products = mixed_precision.matmul_precision("cpu", size=64, repeats=1)
     assert products["fp32, highest"]["dtype"] == products["fp32, high"]["dtype"] == torch.float32
     assert products["bf16"]["gap"] > products["fp32, highest"]["gap"]  # 8 mantissa bits against 24
@@ -218,6 +219,21 @@ def test_fsdp_policy_dtypes():
     assert mixed[0]["dtypes"]["sharded parameter"] == mixed[0]["dtypes"]["sharded gradient"] == torch.float32
 
 
+@pytest.mark.slow
+def test_reduce_dtype_none_reduces_in_bf16():
+    """MixedPrecisionPolicy(param_dtype=bf16) alone: reduce_dtype None, gradients reduced in bf16
+    (every value of the fp32 sharded gradient is a bf16 number); with reduce_dtype=fp32 they are not."""
+    from torch.distributed.fsdp import MixedPrecisionPolicy
+
+    assert MixedPrecisionPolicy(param_dtype=torch.bfloat16).reduce_dtype is None
+    policies = {"fp32 reduce": ("bf16", "fp32"), "default reduce": ("bf16", None)}
+    runs = distcourse.launch(mixed_precision.fsdp_policies, world_size=2, kwargs={"policies": policies, "steps": 1})
+    for rank in runs:
+        assert rank["default reduce"]["bf16-exact gradients"] == 1.0
+        assert rank["fp32 reduce"]["bf16-exact gradients"] < 1.0
+        assert rank["default reduce"]["dtypes"]["sharded gradient"] == torch.float32  # stored as fp32 all the same
+
+
 def test_memory_estimate_on_fake_tensors_agrees_with_the_counts():
     """FSDPMemTracker on fake tensors and a fake group of 8 ranks, against counts of the real model."""
     import torch.distributed as dist
@@ -252,7 +268,8 @@ def test_tracked_labels_cover_every_category():
 
 @pytest.mark.skipif(distcourse.gpu_count() > 0, reason="on a GPU the allocator answers")
 def test_measure_memory_has_no_allocator_to_ask_on_a_cpu():
-    assert activations.measure_memory(layers=1, hidden=8, heads=2, batch=1, seq=4) == {"peak": None, "snapshot": None}
+    nothing = {"peak": None, "peaks": None, "totals": None, "snapshot": None}
+    assert activations.measure_memory(layers=1, hidden=8, heads=2, batch=1, seq=4) == nothing
 
 
 @pytest.mark.slow

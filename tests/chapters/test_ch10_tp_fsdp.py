@@ -100,3 +100,35 @@ def test_plain_names_drop_the_wrappers():
 def test_an_odd_world_is_refused():
     with pytest.raises(distcourse.RankFailed, match="even number of ranks"):
         distcourse.launch(tp_fsdp.variants, world_size=3, quiet=True, timeout=120)
+
+
+@pytest.mark.parametrize("norm_type", [2.0, 1.0, float("inf")])
+def test_clip_grad_norm_combines_meshes_for_every_norm_type(norm_type):
+    """Gradients on two meshes and a plain tensor: the combined norm is torch's norm of all of them
+    (for inf the maximum of the per-mesh maxima, not their sum), and the clipped gradients agree."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Replicate, distribute_tensor
+
+    from distcourse.common.distributed import pretend_ranks
+
+    torch.manual_seed(0)
+    grads = [torch.randn(3, 4), torch.randn(5), torch.randn(2, 2) * 3]
+    plain = [nn.Parameter(torch.zeros_like(g)) for g in grads]
+    for p, g in zip(plain, grads):
+        p.grad = g.clone()
+    expected = nn.utils.clip_grad_norm_(plain, 0.1, norm_type=norm_type)
+    with pretend_ranks(1):  # one rank: the all-reduces of full_tensor() change nothing
+        first = init_device_mesh("cpu", (1,), mesh_dim_names=("dp",))
+        second = init_device_mesh("cpu", (1,), mesh_dim_names=("tp",))
+        mixed = []
+        for mesh, g in zip((first, second, None), grads):
+            value = g.clone() if mesh is None else distribute_tensor(g.clone(), mesh, [Replicate()])
+            p = nn.Parameter(torch.zeros_like(value))
+            p.grad = value
+            mixed.append(p)
+        total = tp_fsdp.clip_grad_norm(mixed, 0.1, norm_type=norm_type)
+        clipped = [p.grad.full_tensor() if hasattr(p.grad, "full_tensor") else p.grad for p in mixed]
+    numerics.assert_close(total, expected, terms=20)
+    numerics.assert_close(clipped, [p.grad for p in plain], terms=20)
+    if norm_type == float("inf"):
+        assert total == max(g.abs().max() for g in grads)  # a maximum, exactly

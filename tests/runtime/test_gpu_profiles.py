@@ -152,3 +152,90 @@ def test_hardware_bf16_agrees_with_the_profiles(name, capability, bf16):
     known = gpus.by_name(name)
     if known is not None:
         assert known.native_bf16 is bf16 and gpus.training_precision(known) == ("bf16" if bf16 else "fp16")
+
+
+# ------------------------------------------------------------------ the GPU-only cells' decisions
+# Each decision below is what a GPU-only cell of chapter 09 or 10 computes before it runs; here it
+# is evaluated on every profile, with the CUDA queries faked so that gpus.current() finds it.
+
+SPEED_MARGIN = 2.0  # a measured time ratio reaches only part of the peak ratio: assert at most half of it
+
+
+def old_tf32_decision(p):
+    """Chapter 09 before: a 2x TF32 speed-up asserted on every sm >= 80 GPU."""
+    return 2.0 if p.capability >= (8, 0) else None
+
+
+def old_cp_dtype(p):
+    """Chapter 10 before: bf16 with flash or memory-efficient attention, whatever the GPU."""
+    return "bf16"
+
+
+@pytest.mark.parametrize("key", sorted(PROFILES))
+def test_tf32_cell_asserts_only_what_the_data_sheet_promises(monkeypatch, key):
+    from distcourse import mixed_precision
+
+    p = PROFILES[key]
+    fake_cuda(monkeypatch, DEVICE_NAMES[key], p.capability, p.memory_gib)
+    expect = mixed_precision.tf32_expectations(gpus.current())
+    ratio = gpus.tf32_speedup(p)
+    if expect["min speedup"] is not None:  # a speed-up is asserted: the data sheet must leave room for it
+        assert ratio >= gpus.CLEAR_TF32_SPEEDUP and expect["min speedup"] * SPEED_MARGIN <= ratio
+    if key in ("A100-40GB-SXM", "A100-80GB-SXM", "H100-SXM", "H200", "B200"):
+        assert expect["min speedup"] == 2.0  # the A100/H100 class: 7-8x on paper, 2x asserted
+    else:  # RTX 4090 (1x), L4 / L40S (2x), A10G (unknown), T4 / V100 (no TF32): nothing about speed
+        assert expect["min speedup"] is None
+    assert expect["tf32"] == expect["bf16 faster"] == (p.capability >= (8, 0))
+    text = mixed_precision.describe_tf32(p, expect)  # printed before the cell runs
+    assert p.key in text
+
+
+def test_old_tf32_decision_fails_on_one_to_one_parts():
+    bad = {
+        k
+        for k, p in PROFILES.items()
+        if old_tf32_decision(p) and old_tf32_decision(p) * SPEED_MARGIN > (gpus.tf32_speedup(p) or 0)
+    }
+    assert {"RTX-4090", "L4", "L40S", "A10G"} <= bad  # asserted 2x where the data sheet gives 1x, 2x or nothing
+    assert not {"A100-80GB-SXM", "H100-SXM"} & bad
+
+
+@pytest.mark.parametrize("key", sorted(PROFILES))
+def test_cp_cell_picks_a_dtype_some_kernel_takes(monkeypatch, key):
+    from distcourse import tensor_parallel as tp
+
+    p = PROFILES[key]
+    fake_cuda(monkeypatch, DEVICE_NAMES[key], p.capability, p.memory_gib)
+    dtype = tp.cp_dtype(gpus.current())
+    assert dtype == ("bf16" if p.capability >= (8, 0) else "fp16")
+    kernels = tp.cp_kernels(p, dtype)
+    assert kernels and set(kernels) <= gpus.sdpa_kernels(p, tp.CP_DTYPES[dtype]) & {"flash", "efficient"}
+    assert p.key in tp.describe_cp(p, dtype)
+
+
+def test_old_cp_decision_fails_below_sm80():
+    from distcourse import tensor_parallel as tp
+
+    for key in ("T4", "V100-SXM2-32GB"):  # Kaggle's 2 x T4, V100 nodes: "No available kernel"
+        p = PROFILES[key]
+        assert not gpus.sdpa_kernels(p, tp.CP_DTYPES[old_cp_dtype(p)]) & {"flash", "efficient"}
+    assert tp.cp_dtype(None) is None and tp.cp_kernels(None, "bf16") == ()
+
+
+@pytest.mark.parametrize("gpu_count, world", [(0, None), (1, 1), (2, 2), (8, 2)])
+def test_memory_cell_compares_at_world_size_two_when_it_can(gpu_count, world):
+    from distcourse import activations
+
+    check = activations.memory_check(gpu_count)
+    assert check["world size"] == world and check["compare"] == "active" and check["tolerance"] == 0.1
+
+
+@pytest.mark.parametrize("key", sorted(PROFILES))
+def test_memory_cell_fits_on_every_profile(key):
+    """The GPU cell's model (section 9's `larger`) at world size 1 fits every profile, with room."""
+    from distcourse import activations
+
+    calc = activations.calculator(
+        layers=4, hidden=1024, heads=16, batch=8, seq=512, ranks=1, stage=3, abytes=4, flash=False
+    )
+    assert 4 * calc["total"] < PROFILES[key].memory_gib * 1e9
