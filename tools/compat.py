@@ -74,6 +74,12 @@ TORCHVISION = {
     "2.15.0": "0.29.2",
 }
 
+# torchao release -> the oldest torch it loads its kernels on. torchao declares no torch
+# requirement, so pip never checks the pair; from 0.17.0 on it is built against torch's stable
+# ABI and gates its kernels on torch >= 2.11.0 (`min_torch_version` in torchao/__init__.py),
+# so the one pin in requirements.txt serves every release of the window.
+TORCHAO_MIN_TORCH = {"0.17.0": "2.11.0", "0.18.0": "2.11.0"}
+
 FAST_TIER = ["tests", "-m", "not slow and not stress", "-q"]
 # Seconds. A notebook's own cells have a 300 s limit each (pyproject.toml); this bounds a hang
 # of the whole run, e.g. a kernel that never starts.
@@ -112,6 +118,20 @@ def pinned_torch(requirements: str) -> str:
     """The torch version requirements.txt pins (what CI tests)."""
     match = re.search(r"^torch==(\S+)", requirements, flags=re.M)
     return match.group(1) if match else "?"
+
+
+def pinned_torchao(requirements: str) -> str | None:
+    match = re.search(r"^torchao==(\S+)", requirements, flags=re.M)
+    return match.group(1) if match else None
+
+
+def torchao_loads_on(torchao: str, torch: str) -> bool:
+    """Whether torchao ``torchao`` loads its kernels on torch ``torch`` (TORCHAO_MIN_TORCH)."""
+    if torchao not in TORCHAO_MIN_TORCH:
+        raise SystemExit(
+            f"no torch range is known for torchao {torchao}: add it to TORCHAO_MIN_TORCH in tools/compat.py"
+        )
+    return version_key(torch) >= version_key(TORCHAO_MIN_TORCH[torchao])
 
 
 def other_requirements(requirements: str) -> str:
@@ -204,6 +224,7 @@ import importlib.metadata as md, json, platform, sys, torch
 print(json.dumps({
     "torch": md.version("torch"), "torch_build": torch.__version__, "cuda": torch.version.cuda,
     "torchvision": md.version("torchvision"), "python": platform.python_version(),
+    "torchao": next((d.version for d in md.distributions(name="torchao")), None),
     "gpu": torch.cuda.get_device_name(0) if torch.cuda.is_available() else None,
 }))
 """
@@ -512,6 +533,9 @@ def cmd_run(args) -> int:
     if not in_window(torch):
         print(f"note: torch {torch} is outside the supported window {SUPPORTED[0]}-{SUPPORTED[1]}", flush=True)
     torchvision = torchvision_for(torch)
+    torchao = pinned_torchao((ROOT / "requirements.txt").read_text())
+    if torchao and not torchao_loads_on(torchao, torch):
+        print(f"note: torchao {torchao} skips its kernels on torch {torch} (needs {TORCHAO_MIN_TORCH[torchao]})")
     notebooks = [] if args.only_fast else select_notebooks(args.notebooks)
     check_served(torch, torchvision)
     start = time.perf_counter()

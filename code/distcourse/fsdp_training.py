@@ -11,7 +11,11 @@ and each checked against ``reference``, the same computation in one process:
   weights held between forward and backward;
 - ``offload``: ``CPUOffloadPolicy``, and why its default (pinned memory) needs a GPU;
 - ``token_mean``: the loss of batches with uneven numbers of valid targets, averaged per
-  rank (biased) and per token over all ranks (what one process computes, ``token_reference``).
+  rank (biased) and per token over all ranks (what one process computes, ``token_reference``);
+- ``divide_factor``: the same per-token loss with the reduction's division switched off by
+  ``set_gradient_divide_factor(1.0)``, on the root only or on every FSDP module;
+- ``forward_prefetch``: ``set_modules_to_forward_prefetch``, the order in which it issues the
+  forward all-gathers, and which weights the root keeps after forward by default.
 
 Collectives are counted with ``CommDebugMode``, which sees every collective issued through
 ``torch.distributed`` while it is active. Rank functions live here because rank processes
@@ -273,3 +277,86 @@ def offload(pin_memory: bool = False, steps: int = 3) -> dict:
         "compute device": str(device),
         "losses": losses,
     }
+
+
+def shard_with_root_head(model: nn.Sequential) -> nn.Sequential:
+    """FSDP2 on an MLP as on a transformer: every hidden Linear is its own unit, and the root
+    owns what is left, here the last Linear (a transformer's root owns embedding and head)."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    mesh = init_device_mesh(rank_device().type, (dist.get_world_size(),))
+    for layer in list(model)[:-1]:
+        if isinstance(layer, nn.Linear):
+            fully_shard(layer, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    return model
+
+
+def divide_factor(micro_batches: int = 2) -> dict:
+    """Rank function: the per-token loss with FSDP2's division by the world size switched off.
+
+    Each rank divides its summed loss by the valid targets of all ranks, as ``token_mean``
+    does, but does not multiply by the world size: ``set_gradient_divide_factor(1.0)`` makes
+    the reduce-scatter sum instead of average. The setting is per FSDP module (it sets only
+    that module's own parameter group), so two copies are trained: "root only" calls it on the
+    root, "every module" on every FSDP module, as torchtitan does. The root owns the last
+    Linear (``shard_with_root_head``). Returns each copy's full gradients.
+    """
+    from torch.distributed.fsdp import FSDPModule
+
+    device, rank, world = rank_device(), dist.get_rank(), dist.get_world_size()
+    batches = [padded_batch(rank, world, i) for i in range(micro_batches)]
+    count = torch.tensor(float(sum(int((y != IGNORE).sum()) for _, y in batches)), device=device)
+    dist.all_reduce(count)
+    models = {name: shard_with_root_head(make_model().to(device)) for name in ("root only", "every module")}
+    models["root only"].set_gradient_divide_factor(1.0)
+    for model in models.values():
+        for module in model.modules():
+            if isinstance(module, FSDPModule) and model is models["every module"]:
+                module.set_gradient_divide_factor(1.0)
+            if isinstance(module, FSDPModule) and dist.get_backend() == "gloo":
+                # a custom factor makes FSDP2 reduce with ReduceOp.PREMUL_SUM, which gloo lacks:
+                # a plain sum, then the division, gives the same result
+                module.set_force_sum_reduction_for_comms(True)
+    for x, y in batches:
+        for model in models.values():
+            loss = F.cross_entropy(model(x.to(device)), y.to(device), ignore_index=IGNORE, reduction="sum")
+            (loss / count).backward()  # no "* world": the reduction no longer divides (where it is set)
+    head = f"{len(models['root only']) - 1}."  # the last Linear's parameter names start so
+    root_owns = [n for n, _ in models["root only"].named_parameters() if n.startswith(head)]
+    grads = {name: {n: full(p.grad).cpu() for n, p in model.named_parameters()} for name, model in models.items()}
+    return {"grads": grads, "root owns": root_owns}
+
+
+def forward_prefetch(prefetch: tuple = (0, 1, 2), depth: int = 3) -> dict:
+    """Rank function: when the forward all-gathers are issued, with explicit forward prefetch.
+
+    An MLP of ``depth + 1`` Linear units (root without parameters). For each ``n`` in
+    ``prefetch``, the first unit is told ``set_modules_to_forward_prefetch`` of the next ``n``
+    units; a hook that runs after FSDP2's own pre-forward hook reads how many all-gathers have
+    been issued when each unit starts computing. Also: after a forward with FSDP2's default
+    ``reshard_after_forward=None``, which Linears of ``shard_with_root_head`` are still gathered.
+    """
+    from torch.distributed.tensor.debug import CommDebugMode
+
+    device, rank, world = rank_device(), dist.get_rank(), dist.get_world_size()
+    x, y = micro_batch(rank, world, 0)
+    x, y = x.to(device), y.to(device)
+    issued, losses = {}, {}
+    for n in prefetch:
+        model = shard_model(mlp(width=256, depth=depth, seed=0).to(device))
+        linears = [m for m in model if isinstance(m, nn.Linear)]
+        if n:
+            linears[0].set_modules_to_forward_prefetch(linears[1 : 1 + n])
+        seen = []
+        with CommDebugMode() as comm:
+            for layer in linears:  # registered after fully_shard: runs after FSDP2's pre-forward hook
+                layer.register_forward_pre_hook(lambda *_: seen.append(count_collectives(comm).get("all-gather", 0)))
+            loss = F.cross_entropy(model(x), y)
+        issued[n], losses[n] = seen, loss.item()
+    model = shard_with_root_head(make_model().to(device))
+    F.cross_entropy(model(x), y)
+    linears = [m for m in model if isinstance(m, nn.Linear)]
+    gathered = [not hasattr(m.weight, "to_local") for m in linears]  # a plain tensor: the full weight is held
+    return {"issued": issued, "losses": losses, "gathered after forward": gathered}

@@ -40,6 +40,12 @@ def test_the_pinned_torch_is_paired_with_the_pinned_torchvision():
     assert compat.in_window(torch)
 
 
+def test_the_pinned_torchao_loads_on_every_torch_of_the_window():
+    torchao = compat.pinned_torchao((ROOT / "requirements.txt").read_text())
+    assert torchao is not None and all(compat.torchao_loads_on(torchao, f"{minor}.0") for minor in compat.SUPPORTED)
+    assert not compat.torchao_loads_on("0.18.0", "2.10.0")
+
+
 def test_an_unpaired_release_is_a_clear_error():
     with pytest.raises(SystemExit, match=r"(?s)no torchvision is paired with torch 2\.99\.0.*compat\.py pair"):
         compat.torchvision_for("2.99.0")

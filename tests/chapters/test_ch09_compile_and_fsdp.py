@@ -6,7 +6,7 @@ import pytest
 import torch
 
 import distcourse
-from distcourse import compiling, fsdp_training
+from distcourse import compiling, float8, fsdp_training
 from distcourse.common import numerics
 from distcourse.exercises import ch09
 
@@ -156,3 +156,72 @@ def test_per_token_loss_equals_one_process_and_the_mean_of_means_does_not():
     numerics.assert_close(runs[0]["losses"]["per token"], single["loss"], terms=2 * 64)
     assert numerics.relative_gap(runs[0]["grads"]["mean of means"], single["grads"]) > 0.1
     assert {fsdp_training.label(k) for k in runs[0]["grads"]} == {"mean of each rank's mean", "mean over all tokens"}
+
+
+@pytest.mark.numerics
+def test_gradient_divide_factor_is_per_module_and_the_loop_matches_one_process():
+    run = distcourse.launch(fsdp_training.divide_factor, world_size=2, quiet=True)[0]
+    single = fsdp_training.token_reference(world_size=2, micro_batches=2)
+    root_owns = run["root owns"]
+    blocks = [n for n in single["grads"] if n not in root_owns]
+    assert root_owns == ["4.weight", "4.bias"] and blocks
+    numerics.assert_close(run["grads"]["every module"], single["grads"], terms=2 * 64)
+    root_only = run["grads"]["root only"]
+    numerics.assert_close({n: root_only[n] for n in root_owns}, {n: single["grads"][n] for n in root_owns}, terms=128)
+    numerics.assert_close({n: 2 * root_only[n] for n in blocks}, {n: single["grads"][n] for n in blocks}, terms=128)
+
+
+def test_forward_prefetch_issues_all_gathers_earlier_not_more_and_the_root_stays_gathered():
+    run = distcourse.launch(fsdp_training.forward_prefetch, world_size=2, quiet=True)[0]
+    assert run["issued"] == {0: [1, 2, 3, 4], 1: [2, 2, 3, 4], 2: [3, 3, 3, 4]}
+    assert len(set(run["losses"].values())) == 1
+    assert run["gathered after forward"] == [False, False, True]
+
+
+# ---------------------------------------------------------------- float8
+def test_float8_formats_bound_rounding_by_their_mantissa_bits():
+    e4m3, e5m2 = (float8.format_facts(d) for d in float8.FORMATS.values())
+    assert (e4m3["mantissa bits"], e4m3["rel"], e4m3["max"]) == (3, 2**-4, 448.0)
+    assert (e5m2["mantissa bits"], e5m2["rel"], e5m2["max"]) == (2, 2**-3, 57344.0)
+    assert e4m3["half_subnormal"] == 2**-10 and e5m2["half_subnormal"] == 2**-17
+
+
+def test_every_cast_stays_within_the_formats_bound_and_rowwise_ignores_the_outliers():
+    table = float8.compare()
+    assert all(r["within bound everywhere"] and r["error"] <= r["bound"] for r in table.values())
+    assert all(r["error"] >= r["flushed"] for r in table.values())
+    rowwise = {r["error"] for (_, name, g), r in table.items() if name == "e4m3" and g == "rowwise"}
+    assert len(rowwise) == 1
+    big = max(o for o, _, _ in table)
+    assert table[(big, "e4m3", "tensorwise")]["flushed"] > table[(big, "e4m3", "rowwise")]["bound"]
+
+
+def test_power_of_two_scales_keep_the_amax_within_the_format():
+    x = torch.tensor([[3.0, -1000.0], [0.25, 0.5]])
+    for dtype in float8.FORMATS.values():
+        for granularity in float8.GRANULARITIES:
+            scale = float8.scale_for(float8.amax(x, granularity), dtype)
+            scaled = float8.amax(x, granularity) * scale
+            assert torch.all(torch.log2(scale) == torch.round(torch.log2(scale)))
+            largest = float8.format_facts(dtype)["max"]
+            assert torch.all(scaled <= largest) and torch.all(scaled > largest / 2)
+    with pytest.raises(ValueError, match="granularity"):
+        float8.amax(x, "blockwise")
+
+
+def test_float8_recipes_follow_the_gpu_profile():
+    from distcourse.runtime import gpus
+
+    assert float8.recipes(None) == ()
+    for profile in gpus.PROFILES.values():
+        expected = float8.RECIPES if profile.capability >= float8.FP8_CAPABILITY else ()
+        assert float8.recipes(profile) == expected, profile.key
+    assert float8.recipes(gpus.PROFILES["H100-SXM"]) and not float8.recipes(gpus.PROFILES["A100-80GB-SXM"])
+
+
+@pytest.mark.parametrize("recipe", float8.RECIPES)
+def test_torchao_float8_linear_emulated_on_cpu_stays_within_the_bound(recipe):
+    pytest.importorskip("torchao")
+    run = float8.float8_linear(recipe, device="cpu", emulate=True)
+    assert run["module"] == "Float8Linear" and run["weight dtype"] == "torch.bfloat16"
+    assert run["within bound"] and run["grads finite"] and 0 < run["relative gap"]
