@@ -41,6 +41,7 @@ from .common.models import gpt
 from .common.sharded import full
 from .meshes import CommVolume
 from .runtime.hardware import rank_device
+from .runtime.i18n import tr
 
 SIZES = {"vocab": 32, "hidden": 32, "heads": 2, "layers": 8}
 SEQ, BATCH = 8, 8  # tokens per sequence, sequences per step
@@ -300,6 +301,33 @@ def bubble(timeline: list[list[tuple]]) -> list[float]:
     begin = min(e[3] for t in timeline for e in t)
     span = max(e[4] for t in timeline for e in t) - begin
     return [1 - sum(e[4] - e[3] for e in t) / span for t in timeline]
+
+
+COLORS = {"F": "#4C72B0", "B": "#DD8452", "I": "#C44E52", "W": "#8172B3"}
+
+
+def plot_timeline(ax, timeline: list[list[tuple]], title: str, unit: float = 1e3, xlabel: str | None = None):
+    """Gantt chart of (kind, stage, mb, start, end) per rank: one row per rank, one bar per action.
+
+    Bars are labelled "kind stage.mb" where they have room; ``unit`` 1e3 shows milliseconds,
+    1 the unit costs of ``simulate``.
+    """
+    if xlabel is None:
+        xlabel = tr("time since the step started (ms)")
+    total = max(e[4] for t in timeline for e in t) * unit
+    for r, events in enumerate(timeline):
+        for kind, s, i, start, end in events:
+            width = (end - start) * unit
+            ax.broken_barh([(start * unit, width)], (r - 0.4, 0.8), facecolors=COLORS[kind], edgecolor="white")
+            if width > 0.035 * total:
+                ax.text(
+                    start * unit + width / 2, r, f"{kind}{s}.{i}", ha="center", va="center", fontsize=6, color="white"
+                )
+    ax.set_yticks(range(len(timeline)), [tr("rank {r}").format(r=r) for r in range(len(timeline))])
+    ax.set_ylim(len(timeline) - 0.5, -0.5)
+    ax.set_xlim(0, total * 1.01)
+    ax.set_xlabel(xlabel)
+    ax.set_title(title, fontsize=9)
 
 
 def _frees(kind: str, s: int, split_stages: set) -> bool:
