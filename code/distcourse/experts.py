@@ -174,29 +174,43 @@ def loss_terms(world: int = WORLD, tokens: int = TOKENS) -> int:
 # --------------------------------------------------------------------------------------
 
 
+def all_to_all_sent(func, args) -> dict | None:
+    """For an all-to-all op seen by a dispatch mode: its group, dtype and the bytes this rank
+    sends to other ranks (the rows for itself stay in memory); None for any other op."""
+    from torch.distributed.distributed_c10d import _resolve_process_group
+
+    name = func.__name__.split(".")[0]
+    if func.namespace == "c10d" and name == "alltoall_base_":  # dist.all_to_all_single
+        tensor, group, splits = args[1], dist.ProcessGroup.unbox(args[2]), list(args[4])
+    elif func.namespace.startswith("_c10d_functional") and name == "all_to_all_single":  # differentiable
+        tensor, group, splits = args[0], _resolve_process_group(args[3]), list(args[2] or [])
+    else:
+        return None
+    splits = splits or [tensor.shape[0] // group.size()] * group.size()
+    row = tensor[0].numel() * tensor.element_size() if tensor.shape[0] else 0
+    sent = (sum(splits) - splits[group.rank()]) * row
+    return {"group": group.group_name, "size": group.size(), "floating": tensor.is_floating_point(), "bytes": sent}
+
+
 class AllToAllBytes(TorchDispatchMode):
-    """Records each ``all_to_all_single`` this rank issues: dtype and bytes sent to other ranks
-    (the rows for its own rank stay in memory)."""
+    """Records each all-to-all this rank issues (``all_to_all_sent``)."""
 
     def __init__(self):
         super().__init__()
         self.records = []
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        if func.namespace == "c10d" and func.__name__.startswith("alltoall_base_"):
-            _, tensor, group, _, in_splits = args[:5]
-            group = dist.ProcessGroup.unbox(group)
-            rows = list(in_splits) or [tensor.shape[0] // group.size()] * group.size()
-            row_bytes = tensor[0].numel() * tensor.element_size() if tensor.shape[0] else 0
-            sent = (sum(rows) - rows[group.rank()]) * row_bytes
-            self.records.append({"dtype": str(tensor.dtype), "bytes": sent})
+        if (record := all_to_all_sent(func, args)) is not None:
+            self.records.append(record)
         return func(*args, **(kwargs or {}))
 
 
-def dispatch_combine(h, routing, w1_local, w2_local, group=None) -> torch.Tensor:
+def dispatch_combine(h, routing, w1_local, w2_local, group=None, symmetric: bool = False) -> torch.Tensor:
     """Send each kept (token, choice) to the rank holding its expert, run the experts there,
-    send the results back (``all_to_all_single`` both ways, differentiable) and combine."""
-    from torch.distributed.nn.functional import all_to_all_single
+    send the results back (``all_to_all_single`` both ways, differentiable) and combine.
+    ``symmetric``: every rank receives as many rows from each rank as it sends it (a routing
+    even by construction), so the counts need not be exchanged first."""
+    from torch.distributed._functional_collectives import all_to_all_single_autograd
 
     world, local = dist.get_world_size(group), w1_local.shape[0]
     keep = routing["keep"].flatten()
@@ -204,14 +218,16 @@ def dispatch_combine(h, routing, w1_local, w2_local, group=None) -> torch.Tensor
     order = ids.argsort(stable=True)  # grouped by expert, hence by destination rank
     rows = h.repeat_interleave(routing["chosen"].shape[1], 0)[keep][order]
     send = torch.bincount(ids // local, minlength=world)
-    recv = torch.empty_like(send)
-    dist.all_to_all_single(recv, send, group=group)  # how many rows each rank will send me
+    recv = send.clone()
+    if not symmetric:
+        dist.all_to_all_single(recv, send, group=group)  # how many rows each rank will send me
     send, recv = send.tolist(), recv.tolist()
-    their_ids = ids.new_empty(sum(recv))
+    their_ids = ids.new_zeros(sum(recv))
     dist.all_to_all_single(their_ids, ids[order], recv, send, group=group)
-    arrived = all_to_all_single(rows.new_empty(sum(recv), rows.shape[1]), rows, recv, send, group=group)
+    group = group or dist.group.WORLD
+    arrived = all_to_all_single_autograd(rows, recv, send, group)
     done = expert_mlp(w1_local, w2_local, arrived, their_ids % local)
-    back = all_to_all_single(rows.new_empty(sum(send), rows.shape[1]), done, send, recv, group=group)
+    back = all_to_all_single_autograd(done, send, recv, group)
     expert_out = torch.empty_like(back).index_copy(0, order, back)  # undo the sort
     return _combine(h, routing, expert_out)
 
@@ -236,11 +252,11 @@ def ep_step(factor: float | None = CAPACITY_FACTOR) -> dict:
     Every rank takes its own ``TOKENS`` of the global batch (data parallel) and holds
     experts/world of the experts (expert parallel, over the same ranks, as torchtitan
     borrows its ep dimension from data parallelism). The auxiliary loss needs the whole
-    batch's load and mean probabilities: both are all-reduced, the probabilities with a
-    differentiable all-reduce so the router learns from every rank's tokens.
+    batch's load (all-reduced: a count, no gradient) and mean probabilities. Each rank
+    differentiates world × its own tokens' share of the probability term: the mean of those
+    over the ranks is the whole batch's loss, and FSDP2 averages the gradients over the ranks.
     """
     from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.nn.functional import all_reduce
 
     world, rank = dist.get_world_size(), dist.get_rank()
     mesh = init_device_mesh(rank_device().type, (world,), mesh_dim_names=("dp",))
@@ -254,7 +270,7 @@ def ep_step(factor: float | None = CAPACITY_FACTOR) -> dict:
         logits = model.out(h + dispatch_combine(h, r, model.w1, model.w2))
         load = r["load"].clone()
         dist.all_reduce(load)
-        aux = aux_loss(load, all_reduce(r["probs"].sum(0)), world * TOKENS, model.top_k)
+        aux = aux_loss(load, world * r["probs"].sum(0), world * TOKENS, model.top_k)
         task = F.cross_entropy(logits, y)
         (task + aux).backward()
     for p in (model.w1, model.w2):
@@ -262,13 +278,13 @@ def ep_step(factor: float | None = CAPACITY_FACTOR) -> dict:
         # ranks' losses, where FSDP2 averages the dense layers' gradients: average here too
         p.grad /= world
     grads = {n: full(p.grad).detach().cpu() for n, p in model.named_parameters() if n not in ("w1", "w2")}
-    tokens_bytes = sum(r["bytes"] for r in recorder.records if r["dtype"] == "torch.float32")
-    task_mean = task.detach().clone()
-    dist.all_reduce(task_mean)
+    tokens_bytes = sum(r["bytes"] for r in recorder.records if r["floating"])
+    losses = torch.stack([task, aux]).detach()
+    dist.all_reduce(losses)  # the means over the ranks: the whole batch's losses
     return {
         "logits": logits.detach().cpu(),
-        "task": task_mean.item() / world,
-        "aux": aux.item(),
+        "task": losses[0].item() / world,
+        "aux": losses[1].item() / world,
         "experts": (mine.start, mine.stop),
         "expert grads": {"w1": model.w1.grad.cpu(), "w2": model.w2.grad.cpu()},
         "grads": grads,
@@ -329,7 +345,7 @@ def _imbalance_run(model, x, bias: float, factor, repeats: int) -> dict:
         "received": int(total[mine].sum()),
         "dropped": dropped(r["load"], slots),
         "slots": slots,
-        "bytes": sum(rec["bytes"] for rec in recorder.records if rec["dtype"] == "torch.float32") / repeats,
+        "bytes": sum(rec["bytes"] for rec in recorder.records if rec["floating"]) / repeats,
         "seconds": seconds,
     }
 
@@ -344,6 +360,7 @@ def imbalance(bias: float = 20.0, tokens: int = 256, factor: float = CAPACITY_FA
     mesh = init_device_mesh(rank_device().type, (world,), mesh_dim_names=("ep",))
     model, _ = _ep_model(mesh)
     x = torch.randn(tokens, SIZES["inputs"], generator=torch.Generator().manual_seed(10 + rank)).to(rank_device())
+    _imbalance_run(model, x, 0.0, None, 1)  # warm-up: the first dispatch pays for allocations
     runs = {}
     for name, b in (("balanced", 0.0), ("biased", bias)):
         for cap in (None, factor):
