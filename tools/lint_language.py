@@ -29,6 +29,10 @@ outputs     an English sentence in the outputs of a translated notebook: a line 
             committed notebooks carry no outputs: CI checks them as nbval executes the translated chapters
             (the hook at the end of conftest.py calls :func:`check_nbval_item`; no notebook runs twice), and
             this command checks executed notebooks given as paths (e.g. the book build's jupyter_execute).
+particles   ko: the particle after code or a Latin word (은/는, 이/가, 을/를, 과/와, 으로/로, 이라/라 ...) chosen
+            by how the word is read, not spelled: `set_epoch`은 (셋 에폭), `DataLoader`는, `NCCL`로 (니클: ㄹ
+            takes 로); an expression by its last word. Readings: ``assets/terms.yml`` (particles), then a
+            spelling rule that answers only when sure (-m, -n, -ng, -l; -k/-t/-p after a consonant ...).
 """
 
 from __future__ import annotations
@@ -54,7 +58,7 @@ TERMS = ROOT / "assets" / "terms.yml"
 CHAPTERS = ROOT / "chapters"
 PACKAGE = ROOT / "code" / "distcourse"
 LOCALE = PACKAGE / "locale"
-RULES = ("code", "terms", "typography", "outputs")
+RULES = ("code", "terms", "typography", "outputs", "particles")
 SETUP = 1  # the setup cell, written by tools/headers.py: its code and comments stay English by design
 
 # Placeholders for what prose checks must not read: a code span, a math span.
@@ -699,6 +703,254 @@ def check_emphasis(path: Path, nb: dict, lang: str) -> list[Finding]:
     return findings
 
 
+# ================================================================ rule: particles
+#
+# Korean particles come in pairs chosen by the sound that ends the word before them: 은/는, 이/가, 을/를,
+# 과/와, 으로/로 (ㄹ takes 로), 이라/라, 이면/면 ... After code or a Latin word the choice follows how
+# the word is READ, not its spelling: `set_epoch`은 (셋 에폭), `DataLoader`는 (데이터로더), `NCCL`로 (니클).
+# An expression is read by its last word (`f(x, True)`를: 트루). The reading comes from the table in
+# assets/terms.yml (particles.ko.readings), then from a spelling rule that answers only when it is sure;
+# a word neither knows is not judged.
+
+VOWEL, RIEUL, CONSONANT = "a vowel", "ㄹ", "a consonant"  # how a reading ends: no final consonant, ㄹ, another one
+
+# (form after a final consonant, form after a vowel, copula): a copula's 이 may stay after a vowel
+# (데이터로더이며 and 데이터로더며 are both right), so only its missing 이 after a consonant is wrong.
+PAIRS = "은/는 이/가 을/를 과/와 과의/와의 과는/와는 과도/와도"
+COPULAS = "이나/나 이라/라 이라고/라고 이라는/라는 이라면/라면 이면/면 이며/며 이고/고 이든/든 이든지/든지 이랑/랑"
+PARTICLE_PAIRS = [(*p.split("/"), False) for p in PAIRS.split()] + [(*p.split("/"), True) for p in COPULAS.split()]
+RO = ["", "는", "도", "서", "써", "의", "만", "부터"]  # 으로/로 and what may follow it
+PARTICLES = {form for a, b, _ in PARTICLE_PAIRS for form in (a, b)} | {p + s for p in ("으로", "로") for s in RO}
+HANGUL_RUN = re.compile("[\uac00-\ud7a3]+")
+
+LETTER_NAMES = "에이 비 씨 디 이 에프 지 에이치 아이 제이 케이 엘 엠 엔 오 피 큐 알 에스 티 유 브이 더블유 엑스 와이 지"
+LETTERS = dict(zip("abcdefghijklmnopqrstuvwxyz", LETTER_NAMES.split()))
+SINO = dict(zip("0123456789", "영 일 이 삼 사 오 육 칠 팔 구".split()))
+
+
+def final_of(hangul: str) -> str:
+    """How a Korean reading ends: VOWEL, RIEUL (ㄹ) or CONSONANT."""
+    jong = (ord(hangul.strip()[-1]) - 0xAC00) % 28
+    return VOWEL if jong == 0 else RIEUL if jong == 8 else CONSONANT
+
+
+@cache
+def readings() -> dict[str, str | None]:
+    """The table of readings, lower case; a word read two ways (shape: 셰이프, 셰입) maps to None."""
+    entry = config().get("particles", {}).get("ko", {})
+    table = {str(k).lower(): str(v) for k, v in entry.get("readings", {}).items()}
+    return table | {str(word).lower(): None for word in entry.get("either", [])}
+
+
+def number_final(digits: str) -> str:
+    """A number read in Sino-Korean: 1 일, 2 이, 10 십, 1,024 ... 이십사, 0.5 영점 오."""
+    digits = digits.replace(",", "")
+    if "." in digits:
+        return final_of(SINO[digits[-1]])
+    stripped = digits.rstrip("0")
+    if not stripped or stripped == digits:
+        return final_of(SINO[digits[-1]])
+    return CONSONANT  # 십, 백, 천, 만, 억: all end in a consonant
+
+
+def spelled_final(word: str) -> str | None:
+    """An English word's ending as Korean reads it, from its spelling; None where the spelling does not tell.
+
+    Loanword spelling: a final -m, -n, -ng is a batchim (스트림, 토큰, 링), -l is ㄹ (모델); -k, -t, -p after
+    a consonant take 으 (랭크, 리스트, 점프), most other endings a vowel (-d 드, -s 스, -x 스, -ch 치, -f 프,
+    -r and -er 어, -y 이, a silent -e after the consonant it sounds: 리듀스, but 타임, 파이프라인, 샘플).
+    -t and -p after a short vowel are a batchim (셋, 스텝), -ck is ㄱ (스택); what stays open is left out."""
+    w = word.lower()
+    if len(w) < 2 or not w.isalpha():
+        return None
+    last, before = w[-1], w[-2]
+    vowels = "aeiou"
+    if last == "e":
+        if before in vowels or before in "rwy":
+            return VOWEL  # true, core, eye
+        return {"m": CONSONANT, "n": CONSONANT, "l": RIEUL}.get(before, VOWEL)  # time, line, module; reduce
+    if last == "h":
+        return VOWEL if before in "cpst" else None  # batch 배치, graph 그래프, depth 뎁스, flush 플러시
+    if last in "aiouywdsxzfvr":
+        return VOWEL  # cuda, key, flow, load, args, index, buf, tensor
+    if last in "mn":
+        return CONSONANT  # stream 스트림, token 토큰
+    if last == "l":
+        return RIEUL  # model 모델
+    if last == "g":
+        return CONSONANT if before == "n" else VOWEL  # ring 링; log 로그, config 컨피그
+    if last == "c":
+        return CONSONANT if w.endswith("ic") else VOWEL if before == "n" else None  # metric 메트릭; sync 싱크
+    if last not in "ktp" or before == last:
+        return None  # -b (잡, 허브), -j, -q, app 앱
+    if before not in vowels:
+        return CONSONANT if w.endswith("ck") else VOWEL  # stack 스택; rank 랭크, list 리스트, jump 점프
+    if len(w) >= 3 and w[-3] in vowels:  # a long vowel or a diphthong
+        if w.endswith(("out", "eep", "eap", "ook")):
+            return CONSONANT  # timeout 타임아웃, sleep 슬립, heap 힙, hook 훅
+        return VOWEL if w.endswith(("ait", "eat", "eet", "oat", "oot", "oop", "eak", "eek")) else None
+    if last == "p" or (last == "t" and before in "aeou"):
+        return CONSONANT  # step 스텝, map 맵; set 셋, format 포맷, input 인풋, robot 로봇
+    return None  # -it (커밋, 비트), -k after a short vowel
+
+
+def word_final(token: str, glued_digits_ok: bool = True) -> str | None:
+    """How a token (an identifier, an English word, a number) is read at its end, or None if unsure."""
+    table = readings()
+    if token.lower() in table:
+        return table[token.lower()] and final_of(table[token.lower()])
+    if re.fullmatch(r"\d+(?:[.,]\d+)*", token):
+        return number_final(token)
+    pieces = [
+        p for chunk in re.split(r"[_.\-]+", token) for p in re.findall(r"[A-Z]+(?![a-z])|[A-Z]?[a-z]+|\d+", chunk)
+    ]
+    if not pieces:
+        return None
+    last = pieces[-1]
+    if last.isdigit():
+        # glued to letters (fp16, FSDP2, stage0): English or Korean numerals, both heard: leave it
+        return number_final(last) if len(pieces) == 1 else None
+    if last.lower() in table:
+        return table[last.lower()] and final_of(table[last.lower()])
+    if len(last) == 1:
+        return final_of(LETTERS[last.lower()])
+    if not re.search("[AEIOUaeiou]", last):
+        return final_of(LETTERS[last[-1].lower()])  # an acronym spelled letter by letter: DDP, SGD, tp
+    if len(last) == 2:
+        return None  # ep (이피), io, up: a word or letters
+    return spelled_final(last)
+
+
+def code_final(code: str) -> str | None:
+    """How a code span is read at its end: the last word of an expression (`f(x, True)`: True)."""
+    text = code.strip()
+    if text.endswith("*"):
+        return None  # SLURM_*: a pattern, read as the names it stands for
+    while True:
+        stripped = text.rstrip(" )]}>'\"`,;:*").removesuffix("...").removesuffix("…").rstrip("(")
+        if stripped == text:
+            break
+        text = stripped
+    match = re.search(r"[A-Za-z0-9_]+$", text)
+    if not match:
+        return None
+    number = re.search(r"(?<![\w.])\d+(?:\.\d+)?$", text)  # a number of its own: range(3) 삼, seed=0 영, 1.0 영
+    return number_final(number.group(0)) if number else word_final(match.group(0))
+
+
+def particle_problem(final: str | None, particle: str) -> str | None:
+    """The particle to write instead of ``particle`` after a word read with ``final``, or None if right."""
+    if final is None:
+        return None
+    for ro in ("으로", "로"):
+        if particle.startswith(ro) and particle[len(ro) :] in RO:
+            right = "로" if final in (VOWEL, RIEUL) else "으로"
+            return right + particle[len(ro) :] if ro != right else None
+    for after_consonant, after_vowel, copula in PARTICLE_PAIRS:
+        if particle == after_consonant and final == VOWEL and not copula:
+            return after_vowel
+        if particle == after_vowel and final != VOWEL:
+            return after_consonant
+    return None
+
+
+# A Latin word or a number in prose, then the Korean right after it.
+PROSE_WORD = re.compile(
+    r"(?<![\w.%])(?<!\d/)([A-Za-z][A-Za-z0-9]*(?:[-.][A-Za-z0-9]+)*|\d+(?:[.,]\d+)*%?)(?=[\uac00-\ud7a3])"
+)
+
+
+def particle_findings(segments: list[tuple[bool, str]]) -> list[str]:
+    """The wrong particles in a text given as (is_code, text) segments, in order."""
+    problems = []
+    for i, (is_code, text) in enumerate(segments):
+        if is_code:
+            if i + 1 < len(segments) and not segments[i + 1][0]:
+                run = HANGUL_RUN.match(segments[i + 1][1])
+                if run and run.group(0) in PARTICLES:
+                    final = code_final(text)
+                    right = particle_problem(final, run.group(0))
+                    if right:
+                        code = f"`{shorten(text, 60)}`"
+                        problems.append(f"{code}{run.group(0)}: write {code}{right} (read ending in {final})")
+            continue
+        for match in PROSE_WORD.finditer(text):
+            run = HANGUL_RUN.match(text, match.end())
+            word = match.group(1)
+            if not run or run.group(0) not in PARTICLES:
+                continue
+            final = VOWEL if word.endswith("%") else word_final(word)  # 퍼센트
+            right = particle_problem(final, run.group(0))
+            if right:
+                problems.append(f"{word}{run.group(0)}: write {word}{right} (read ending in {final})")
+    return problems
+
+
+def segments_of_markdown(markdown: str) -> list[tuple[int, list[tuple[bool, str]]]]:
+    """(first line, segments) of each paragraph, heading or table cell: (is_code, text) in order; math,
+    images and HTML break the text, emphasis and links do not (**`Join`으로**)."""
+    blocks = []
+    for token in markdown_parser().parse(markdown):
+        if token.type != "inline":
+            continue
+        segments: list[tuple[bool, str]] = []
+        for child in token.children or []:
+            if child.type == "text":
+                segments.append((False, URL.sub(" ", child.content)))
+            elif child.type in ("softbreak", "hardbreak"):
+                segments.append((False, "\n"))
+            elif child.type == "code_inline":
+                segments.append((True, child.content))
+            elif not re.fullmatch(r"(?:strong|em|link)_(?:open|close)", child.type):
+                segments.append((False, " "))
+        blocks.append(((token.map or [0])[0], segments))
+    return blocks
+
+
+def segments_of_plain(text: str) -> list[tuple[bool, str]]:
+    """A comment or a catalog value: `code` in backticks, the rest text."""
+    parts = re.split(r"(`+)(.+?)\1", text)
+    segments = [(False, parts[0])]
+    for i in range(1, len(parts), 3):
+        segments += [(True, parts[i + 1]), (False, parts[i + 2])]
+    return segments
+
+
+def particle_texts(path: Path, nb: dict | None = None) -> list[tuple[str, list[tuple[bool, str]]]]:
+    """(where, segments) of every Korean text of a notebook, a catalog (locale/ko.yml) or a landing page."""
+    path, texts = Path(path), []
+    if path.suffix == ".ipynb":
+        for i, cell in enumerate((nb or read_notebook(path))["cells"]):
+            source = source_of(cell)
+            if cell["cell_type"] == "markdown":
+                texts += [(f"cell {i}", segments) for _, segments in segments_of_markdown(source)]
+            elif cell["cell_type"] == "code" and i != SETUP:
+                texts += [(f"cell {i}", segments_of_plain(c)) for _, c in comments(source)]
+    elif path.suffix == ".yml":
+        node = yaml.compose(path.read_text(encoding="utf-8"))
+        for key, value in node.value if node else []:
+            if isinstance(value, yaml.ScalarNode):
+                texts.append((f"line {key.start_mark.line + 1}", segments_of_plain(value.value)))
+    elif path.suffix == ".md":
+        texts += [(f"line {line + 1}", s) for line, s in segments_of_markdown(path.read_text(encoding="utf-8"))]
+    return texts
+
+
+def check_particles(path: Path, lang: str, nb: dict | None = None) -> list[Finding]:
+    """The particles rule (Korean only) over a notebook, a catalog or a landing page, less the findings
+    that assets/terms.yml lists as pending (chapters being rewritten by others)."""
+    if lang != "ko":
+        return []
+    name = relative(path)
+    pending = set(config().get("particles", {}).get("ko", {}).get("pending", []))
+    return [
+        Finding(name, where, "particles", lang, f"particle chosen by spelling, not sound: {problem}")
+        for where, segments in particle_texts(path, nb)
+        for problem in particle_findings(segments)
+        if f"{name}: {problem.split(': write ')[0]}" not in pending
+    ]
+
+
 # ================================================================ rule: outputs
 #
 # An output line is English the course wrote when it contains a string literal of the package or of
@@ -865,6 +1117,8 @@ def lint_notebook(path: Path, nb: dict, rules: set[str]) -> list[Finding]:
             findings += check_text(text, lang, rules)
         if "outputs" in rules:
             findings += check_outputs(path, nb, lang)
+        if "particles" in rules:
+            findings += check_particles(path, lang, nb)
     if "typography" in rules:
         findings += check_emphasis(path, nb, lang)
     return findings
@@ -881,10 +1135,11 @@ def lint_translation(path: Path, rules: set[str]) -> list[Finding]:
     if path.suffix == ".ipynb":
         return lint_notebook(path, read_notebook(path), rules)
     lang = path.stem if path.suffix == ".yml" else path.parent.name
+    findings = check_particles(path, lang) if "particles" in rules else []
     if lang == "en" or not {"terms", "typography"} & rules:
-        return []
+        return findings
     texts = catalog_texts(path) if path.suffix == ".yml" else markdown_texts(path)
-    return [finding for text in texts for finding in check_text(text, lang, rules)]
+    return findings + [finding for text in texts for finding in check_text(text, lang, rules)]
 
 
 def lint_paths(paths: list[Path], rules: set[str]) -> list[Finding]:

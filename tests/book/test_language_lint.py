@@ -334,6 +334,118 @@ def test_outputs_know_the_courses_own_literals():
     assert all(len(literal.words) >= 2 for group in literals.values() for literal in group)
 
 
+# ---------------------------------------------------------------- rule: particles
+
+
+def particles(markdown: str) -> list[str]:
+    nb = notebook(markdown_cell(markdown), lang="ko")
+    return [f.message for f in lint.lint_notebook(Path("x.ipynb"), nb, {"particles"})]
+
+
+@pytest.mark.parametrize(
+    "bad, good",
+    [
+        ("`sampler.set_epoch(epoch)`를 호출합니다.", "`sampler.set_epoch(epoch)`을 호출합니다."),  # 에폭: a batchim
+        ("`set_epoch`는 순서를 바꿉니다.", "`set_epoch`은 순서를 바꿉니다."),
+        ("`DataLoader`은 워커를 띄웁니다.", "`DataLoader`는 워커를 띄웁니다."),  # 데이터로더: a vowel
+        ("`all_reduce`을 부릅니다.", "`all_reduce`를 부릅니다."),
+        ("`torchrun`로 실행합니다.", "`torchrun`으로 실행합니다."),  # 토치런: ㄴ
+        ("`NCCL`으로 통신합니다.", "`NCCL`로 통신합니다."),  # 니클: ㄹ takes 로, not 으로
+        ("모델은 `model`으로 감쌉니다.", "모델은 `model`로 감쌉니다."),
+        ("`rank`이 0이면 저장합니다.", "`rank`가 0이면 저장합니다."),  # 랭크: a vowel
+        (
+            "`Join(..., throw_on_early_termination=True)`을 씁니다.",
+            "`Join(..., throw_on_early_termination=True)`를 씁니다.",
+        ),
+        (
+            "`DistributedDataParallel(module, process_group=<its column>)`로 감쌉니다.",
+            "`DistributedDataParallel(module, process_group=<its column>)`으로 감쌉니다.",
+        ),  # 컬럼: ㅁ
+        ("**`Join`로** 감쌉니다.", "**`Join`으로** 감쌉니다."),  # inside bold
+        ("`timeout`와 `backend`를 넘깁니다.", "`timeout`과 `backend`를 넘깁니다."),
+        ("스테이지 `s`이 보관합니다.", "스테이지 `s`가 보관합니다."),  # a letter: 에스
+        ("`epoch`면 됩니다.", "`epoch`이면 됩니다."),  # a copula needs its 이 after a consonant
+        ("PyTorch은 이것을 제공합니다.", "PyTorch는 이것을 제공합니다."),  # plain Latin words too: 파이토치
+        ("DDP을 씁니다.", "DDP를 씁니다."),  # an acronym read letter by letter
+        ("스트림을 stream와 함께", "스트림을 stream과 함께"),  # the spelling rule: -m is ㅁ
+        ("모든 kernel으로", "모든 kernel로"),  # -l is ㄹ
+        ("스테이지 0는 기다립니다.", "스테이지 0은 기다립니다."),  # numbers in Sino-Korean: 영
+        ("랭크 2이 보냅니다.", "랭크 2가 보냅니다."),  # 이
+        ("`3`를 넘깁니다.", "`3`을 넘깁니다."),  # 삼
+        ("`1`으로 나눕니다.", "`1`로 나눕니다."),  # 일: ㄹ
+        ("`range(3)`와 비교합니다.", "`range(3)`과 비교합니다."),  # the last word of an expression: 삼
+        ("`cuda:0`와 `cuda:1`에", "`cuda:0`과 `cuda:1`에"),  # 0 is 영 in the course, as in the style sheet
+        ("`set_gradient_divide_factor(1.0)`로", "`set_gradient_divide_factor(1.0)`으로"),  # 일 점 영
+        ("`nn.Linear(32, 10)`로 바꿉니다.", "`nn.Linear(32, 10)`으로 바꿉니다."),  # 십
+    ],
+)
+def test_particles_follow_how_the_word_is_read(bad, good):
+    found = particles(bad)
+    assert len(found) == 1, (bad, found)
+    assert particles(good) == [], (good, particles(good))
+    assert found[0].split(": write ")[1].split(" (read")[0] in good, found  # the message names the right form
+
+
+@pytest.mark.parametrize(
+    "good",
+    [
+        "`shape`을 맞추고 `shape`를 확인합니다.",  # read two ways (셰입, 셰이프): either is accepted
+        "`emit`이 `exit`가 `submit`를",  # -it (이밋, 엑시트): no table entry, and the spelling does not tell
+        "`SLURM_*`나 `fp16`으로",  # a pattern; digits glued to letters
+        "1/k을 유지하고, 1/2을 보관합니다.",  # a fraction is read from its numerator: k분의 일
+        "`DataLoader`이며 `DataLoader`입니다.",  # a copula may keep its 이 after a vowel
+        "`DataLoader`에서 워커가",  # not a particle of a pair
+        "`x` 는 띄어 쓴 조사",  # not attached: not judged (spacing is another matter)
+    ],
+)
+def test_particles_pass_what_they_cannot_judge_or_is_right(good):
+    assert particles(good) == [], particles(good)
+
+
+def test_particle_readings_and_spelling_rule():
+    assert lint.code_final("sampler.set_epoch(epoch)") == lint.CONSONANT
+    assert lint.code_final("torch.cuda.synchronize()") == lint.VOWEL
+    assert lint.code_final("NCCL") == lint.RIEUL and lint.word_final("kernel") == lint.RIEUL
+    spelled = {
+        "stream": "a consonant",
+        "ring": "a consonant",
+        "rank": "a vowel",
+        "list": "a vowel",
+        "step": "a consonant",
+        "stack": "a consonant",
+        "reduce": "a vowel",
+        "pipeline": "a consonant",
+        "module": "ㄹ",
+        "batch": "a vowel",
+        "tensor": "a vowel",
+        "commit": None,
+        "job": None,
+    }
+    assert {w: lint.spelled_final(w) for w in spelled} == spelled
+    for key, reading in lint.readings().items():  # every reading in the table is Hangul
+        assert reading is None or lint.re.fullmatch("[\uac00-\ud7a3 ]+", reading), (key, reading)
+
+
+def test_particles_in_comments_and_catalogs(tmp_path):
+    nb = notebook(markdown_cell("x"), code_cell("pass"), code_cell("# `rank`이 0이면\nx = 1"), lang="ko")
+    assert [f.where for f in lint.lint_notebook(Path("x.ipynb"), nb, {"particles"})] == ["cell 2"]
+    catalog = tmp_path / "ko.yml"
+    catalog.write_text("# chapter 01\n'seed + epoch': '시드 + epoch로'\nok: '`epoch`으로'\n", encoding="utf-8")
+    assert [f.where for f in lint.lint_paths([catalog], {"particles"})] == ["line 2"]
+    other = notebook(markdown_cell("`rank`이"), lang="ru")  # Korean particles only on Korean pages
+    assert lint.lint_notebook(Path("x.ipynb"), other, {"particles"}) == []
+
+
+def test_particles_pending_entries_hide_only_that_finding(tmp_path, monkeypatch):
+    path = tmp_path / "99-test.ipynb"
+    path.write_text(json.dumps(notebook(markdown_cell("`rank`이 `epoch`로"), lang="ko")), encoding="utf-8")
+    assert len(lint.check_particles(path, "ko")) == 2
+    config = dict(lint.config())
+    config["particles"] = {"ko": {**config["particles"]["ko"], "pending": [f"{path}: `rank`이"]}}
+    monkeypatch.setattr(lint, "config", lambda: config)
+    assert [f.message.split(": ")[1] for f in lint.check_particles(path, "ko")] == ["`epoch`로"]
+
+
 # ---------------------------------------------------------------- the command
 
 
