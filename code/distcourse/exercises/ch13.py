@@ -52,7 +52,9 @@ def check_all_gathers(all_gathers) -> bool:
             right = predicted_all_gathers(order, reshard)
             if answer != right:
                 problems.append(
-                    tr("{call}: you said {answer}, FSDP2 issues {right}").format(call=call, answer=answer, right=right)
+                    tr("{call}: you said {answer}, the rules give {right}").format(
+                        call=call, answer=answer, right=right
+                    )
                 )
         if len(problems) > 3:
             break
