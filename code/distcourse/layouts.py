@@ -27,7 +27,8 @@ from .runtime.i18n import tr
 
 # Published sizes. Llama 3 70B: Llama 3 paper (arXiv:2407.21783), table 3. DeepSeek-V3: technical
 # report (arXiv:2412.19437), sections 2 and 4.2: 61 layers, the first 3 dense, 58 with 256 routed
-# experts (top 8) and one shared expert; 37B of the 671B parameters active per token.
+# experts (top 8) and one shared expert; 37B of the 671B parameters active per token; 15360
+# sequences of 4096 tokens per step (section 4.2). Llama 3 70B: 512 sequences of 8192 (our choice).
 MODELS = {
     "Llama 3 70B": dict(
         params=70.6e9,
@@ -41,7 +42,7 @@ MODELS = {
         top_k=0,
         seq=8192,
         batch=512,
-    ),  # fmt: skip
+    ),
     "DeepSeek-V3": dict(
         params=671e9,
         active=37e9,
@@ -53,8 +54,8 @@ MODELS = {
         experts=256,
         top_k=8,
         seq=4096,
-        batch=4096,
-    ),  # fmt: skip
+        batch=15360,
+    ),
 }
 # H100 SXM nodes (chapter 10's link speeds) and DeepSeek's H800 nodes: NVLink 160 GB/s, IB 50 GB/s
 # per GPU as the report measures them (section 3.2.2).
@@ -105,8 +106,12 @@ def memory(model: dict, layout: dict, bytes_: int = 2) -> dict:
     gpus = pp * tp * layout["dp"]
     dense = model["params"] - model["expert_params"]
     states = 16 * model["params"] / gpus
-    per_layer = dense / model["layers"] / tp + model["expert_params"] / max(model["moe_layers"], 1) / ep
-    gathered = (model["layers"] / pp if pp > 1 else 2) * bytes_ * per_layer
+    if pp > 1:  # the stage's dense weights split by tp, its experts by ep
+        gathered = bytes_ * (dense / tp + model["expert_params"] / ep) / pp
+    else:  # one layer of each kind, twice
+        gathered = (
+            2 * bytes_ * (dense / model["layers"] / tp + model["expert_params"] / max(model["moe_layers"], 1) / ep)
+        )
     in_flight = min(pp, m) if pp > 1 else m
     kept = model["layers"] / pp * in_flight * model["seq"] * model["hidden"] * bytes_ / tp
     block = block_formula(1 if pp > 1 else m, model["seq"], model["hidden"], model["heads"], "sdpa", bytes_) / tp
@@ -245,44 +250,57 @@ class StandInExperts(nn.Module):
 
 
 class StandInBlock(nn.Module):
-    """One layer of the stand-in: an MLP (tensor parallel, sequence parallel) then an MoE layer
-    (expert parallel), both with residuals."""
+    """One layer of the stand-in: an MLP (tensor parallel, sequence parallel) then, for an MoE
+    model (``local`` > 0), an MoE layer (expert parallel), both with residuals."""
 
     def __init__(self, hidden: int, local: int):
         super().__init__()
         self.mlp = nn.Sequential(
             nn.Linear(hidden, 2 * hidden, bias=False), nn.GELU(), nn.Linear(2 * hidden, hidden, bias=False)
         )
-        self.moe = StandInExperts(hidden, local)
+        self.moe = StandInExperts(hidden, local) if local else None
 
     def forward(self, x, routing, group):
         x = x + self.mlp(x)
-        return x + self.moe(x, routing, group)
+        return x if self.moe is None else x + self.moe(x, routing, group)
 
 
 def standin(model: dict, layout: dict) -> dict:
     """The tiny model the dry run trains, in ``model``'s own terms (for ``traffic``): one stand-in
-    block per stage, one expert per ep rank, ``model``'s top-k, 2 micro-batches (1 without pp)
+    block per stage, one expert per ep rank (none for a dense model), ``model``'s top-k, 2 micro-batches (1 without pp)
     of tp · ep tokens (so that round-robin routing is exactly even), fp32. Its hidden size is
     the smallest power of 2 (at least 16) that every FSDP2 shard divides: no padding."""
     hidden = max(16, layout["dp"] * layout["tp"])
-    layers, experts_ = layout["pp"], layout["ep"]
+    layers, experts_ = layout["pp"], layout["ep"] if model["experts"] else 0
     dense, expert = layers * 4 * hidden**2, layers * experts_ * 2 * hidden**2
     return dict(
-        params=dense + expert, active=0, expert_params=expert, layers=layers, moe_layers=layers, hidden=hidden,
-        heads=1, experts=experts_, top_k=model["top_k"] or 1, seq=layout["tp"] * layout["ep"],
+        params=dense + expert,
+        active=0,
+        expert_params=expert,
+        layers=layers,
+        moe_layers=layers if experts_ else 0,
+        hidden=hidden,
+        heads=1,
+        experts=experts_,
+        top_k=model["top_k"],
+        seq=layout["tp"] * layout["ep"],
         batch=layout["dp"] * (2 if layout["pp"] > 1 else 1),
-    )  # fmt: skip
+    )
 
 
-def _mesh(layout: dict):
+def _mesh(layout: dict) -> dict:
+    """The (pp, edp, ep, tp) mesh and the 1-D meshes the stand-in uses, by name."""
     from torch.distributed.device_mesh import init_device_mesh
 
     shape = (layout["pp"], layout["dp"] // layout["ep"], layout["ep"], layout["tp"])
     mesh = init_device_mesh("cpu", shape, mesh_dim_names=DIMS)
-    mesh["edp", "ep"]._flatten("dp")  # dense FSDP runs over both
-    mesh["edp", "tp"]._flatten("edp_tp")  # the experts' FSDP: the ranks holding the same experts
-    return mesh
+    return {
+        "pp": mesh["pp"],
+        "ep": mesh["ep"],
+        "tp": mesh["tp"],
+        "dp": mesh["edp", "ep"]._flatten("dp"),  # dense FSDP runs over both
+        "edp_tp": mesh["edp", "tp"]._flatten("edp_tp"),  # the experts' FSDP: the ranks holding the same experts
+    }
 
 
 def _stage(small: dict, layout: dict, mesh):
@@ -299,27 +317,28 @@ def _stage(small: dict, layout: dict, mesh):
     for block in blocks:
         if layout["tp"] > 1:
             parallelize_module(block, mesh["tp"], plan)
-        fully_shard(block.moe, mesh=mesh["edp_tp"], reshard_after_forward=not keep, shard_placement_fn=by_hidden)
+        if block.moe is not None:
+            fully_shard(block.moe, mesh=mesh["edp_tp"], reshard_after_forward=not keep, shard_placement_fn=by_hidden)
         fully_shard(block, mesh=mesh["dp"], reshard_after_forward=not keep)
     return blocks
 
 
 def _run_stage(blocks, small: dict, layout: dict, mesh) -> None:
     """Forward and backward of every micro-batch through this stage, with the stage's sends."""
-    stage, pp, ep = mesh.get_local_rank("pp"), layout["pp"], mesh["ep"].get_group()
+    stage, pp, ep = mesh["pp"].get_local_rank(), layout["pp"], mesh["ep"].get_group()
     pp_group = mesh["pp"].get_group()
     tokens, k = small["seq"] // layout["tp"], small["top_k"]
     token_choice = torch.arange(tokens * k).view(tokens, k)
-    local = small["experts"] // layout["ep"]
+    local = max(1, small["experts"] // layout["ep"])
     routing = {
         "chosen": (token_choice % layout["ep"]) * local,  # round robin over the ep ranks: even by construction
-        "weights": torch.full((tokens, k), 1 / k),
+        "weights": torch.full((tokens, k), 1 / max(k, 1)),
         "keep": torch.ones(tokens, k, dtype=torch.bool),
     }
     m = microbatches(small, layout)
     for i in range(m):
         last = i == m - 1
-        for module in (m_ for block in blocks for m_ in (block, block.moe)):
+        for module in (m_ for block in blocks for m_ in (block, block.moe) if m_ is not None):
             module.set_requires_gradient_sync(last)  # one reduce-scatter per step, on the last micro-batch
             module.set_reshard_after_backward(last)  # and the parameters stay gathered until then
         x = torch.zeros(tokens, small["hidden"], requires_grad=True)  # what the previous stage sent
@@ -350,7 +369,7 @@ def dry_run(model: dict, layout: dict, rank: int | None = None) -> dict:
     dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=world, timeout=timedelta(seconds=60))
     try:
         mesh = _mesh(layout)
-        names = {mesh[d].get_group().group_name: d for d in ("pp", "dp", "ep", "tp", "edp_tp")}
+        names = {m.get_group().group_name: d for d, m in mesh.items()}
         blocks = _stage(small, layout, mesh)
         recorder = StepTraffic()
         with recorder:
