@@ -209,3 +209,29 @@ def test_exercises_accept_solutions_and_reject_wrong_answers(capsys):
 
     assert ch11.check_find_slow_rank(slow) is True
     assert ch11.check_find_slow_rank(lambda per_rank: None) is False
+
+
+def test_speaker_notes_quote_the_timeouts_the_code_uses():
+    """The notes of 11-debugging name the demos' half second and the default timeouts; keep them in step."""
+    import datetime
+    import inspect
+    import json
+    import pathlib
+
+    from torch.distributed import constants
+
+    notebook = pathlib.Path(__file__).resolve().parents[2] / "chapters" / "en" / "11-debugging.ipynb"
+    cells = json.loads(notebook.read_text(encoding="utf-8"))["cells"]
+    notes = " ".join(
+        "".join(c["source"]) for c in cells if c["metadata"].get("slideshow", {}).get("slide_type") == "notes"
+    )
+    notes = " ".join(notes.split())
+    waits = [
+        inspect.signature(debugging.missing_rank).parameters["timeout"].default,
+        inspect.signature(debugging.stuck_stacks).parameters["after"].default,
+        inspect.signature(debugging.flight_recorder).parameters["after"].default,
+    ]
+    assert waits == [0.5, 0.5, 0.5] and "half a second" in notes and "after 0.5 s" in notes
+    assert constants.default_pg_timeout == datetime.timedelta(minutes=30) and "gloo 30 min" in notes
+    # kProcessGroupNCCLDefaultTimeout in ProcessGroupNCCL.hpp; a CPU build has none
+    assert constants.default_pg_nccl_timeout in (None, datetime.timedelta(minutes=10)) and "NCCL 10 min" in notes
