@@ -136,7 +136,7 @@ def reference(factor: float | None = CAPACITY_FACTOR, world: int = WORLD, tokens
     x, y = batch(world, tokens)
     slots = capacity(tokens, SIZES["experts"], SIZES["top_k"], factor)
     h = model.inp(x)
-    moe, probs, load, kept, drops = [], [], 0, [], 0
+    moe, probs, loads, kept, drops = [], [], [], [], 0
     for group in h.split(tokens):
         r = route(model.router(group) + model.router_bias, model.top_k, slots)
         keep = r["keep"].flatten()
@@ -144,11 +144,12 @@ def reference(factor: float | None = CAPACITY_FACTOR, world: int = WORLD, tokens
         rows = group.repeat_interleave(model.top_k, 0)[keep]
         moe.append(_combine(group, r, expert_mlp(model.w1, model.w2, rows, ids)))
         probs.append(r["probs"])
-        load = load + r["load"]
+        loads.append(r["load"])
         kept.append(torch.bincount(ids, minlength=SIZES["experts"]))
         drops += dropped(r["load"], slots)
     logits = model.out(h + torch.cat(moe))
     task = F.cross_entropy(logits, y)
+    load = torch.stack(loads).sum(0)
     aux = aux_loss(load, torch.cat(probs).sum(0), world * tokens, model.top_k)
     (task + aux).backward()
     return {
@@ -156,9 +157,11 @@ def reference(factor: float | None = CAPACITY_FACTOR, world: int = WORLD, tokens
         "task": task.item(),
         "aux": aux.item(),
         "load": load,
+        "loads": torch.stack(loads),  # (group, expert): assignments before dropping
         "kept": torch.stack(kept),  # (group, expert): assignments each group sends each expert
         "dropped": drops,
         "slots": slots,
+        "mean probs": torch.cat(probs).mean(0).detach(),
         "grads": {n: p.grad.clone() for n, p in model.named_parameters()},
     }
 

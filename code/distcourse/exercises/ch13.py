@@ -79,3 +79,65 @@ def check_clip_scale(clip_scale) -> bool:
                 tr("{call} = {answer:.6g}, expected {right:.6g}").format(call=call, answer=answer, right=right)
             )
     return verdict(problems, tr("Correct: every stage scales by the same factor, from the norm of the whole model."))
+
+
+# Experts and layouts (``13-experts-and-layouts``):
+#
+# * ``check_switch_aux_loss``: the load-balancing loss of a group from its router probabilities and
+#   chosen experts, compared with ``experts.aux_loss`` on even, random and collapsed routings;
+# * ``check_dropped_choices``: the choices past their expert's capacity, compared with ``experts.route``.
+
+
+def _routings():
+    """(name, logits) for a group of 32 tokens and 8 experts: even first choices, random, collapsed."""
+    import torch
+
+    g = torch.Generator().manual_seed(13)
+    even = torch.zeros(32, 8)
+    even[torch.arange(32), torch.arange(32) % 8] = 4.0  # each expert first choice of 4 tokens
+    collapsed = torch.randn(32, 8, generator=g)
+    collapsed[:, 0] += 20.0
+    return [("even first choices", even), ("random", torch.randn(32, 8, generator=g) * 2), ("collapsed", collapsed)]
+
+
+def check_switch_aux_loss(switch_aux_loss) -> bool:
+    """``switch_aux_loss(probs, chosen)`` -> alpha · E · sum_i f_i · P_i with alpha = 0.01."""
+    from ..common.numerics import close
+    from ..experts import aux_loss, route
+
+    problems = []
+    for name, logits in _routings():
+        r = route(logits, top_k=2, slots=None)
+        right = aux_loss(r["load"], r["probs"].sum(0), 32, 2, alpha=0.01).item()
+        try:
+            answer = float(switch_aux_loss(r["probs"], r["chosen"]))
+        except Exception as exc:  # the learner's code: report, do not crash the notebook
+            problems.append(tr("{call} raised {error}").format(call=f"switch_aux_loss ({name})", error=repr(exc)))
+            continue
+        if not close(answer, right, terms=32 * 8):
+            problems.append(
+                tr("{name} routing: you said {answer:.6g}, Switch's formula gives {right:.6g}").format(
+                    name=name, answer=answer, right=right
+                )
+            )
+    return verdict(problems, tr("Correct: your loss is Switch Transformer's, on every routing."))
+
+
+def check_dropped_choices(dropped_choices) -> bool:
+    """``dropped_choices(chosen, num_experts, factor)`` -> choices past their expert's capacity."""
+    from ..experts import capacity, dropped, route
+
+    problems = []
+    for name, logits in _routings():
+        for factor in (0.5, 1.0, 1.25, 2.0):
+            r = route(logits, top_k=2, slots=capacity(32, 8, 2, factor))
+            right = dropped(r["load"], capacity(32, 8, 2, factor))
+            call = f"dropped_choices ({name}, factor={factor})"
+            try:
+                answer = int(dropped_choices(r["chosen"], 8, factor))
+            except Exception as exc:  # the learner's code
+                problems.append(tr("{call} raised {error}").format(call=call, error=repr(exc)))
+                continue
+            if answer != right:
+                problems.append(tr("{call} = {answer}, expected {right}").format(call=call, answer=answer, right=right))
+    return verdict(problems[:4], tr("Correct: you count every dropped choice."))
