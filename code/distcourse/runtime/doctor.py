@@ -24,7 +24,7 @@ from dataclasses import dataclass
 import torch
 
 from . import hardware, support
-from .i18n import number, tr
+from .i18n import number, pad, tr
 
 SHM = "/dev/shm"
 # Docker gives a container 64 MB of /dev/shm. DataLoader workers pass every batch through it
@@ -43,7 +43,7 @@ class Check:
 
     def line(self) -> str:
         mark = {True: "ok", False: "!!", None: "--"}[self.ok]
-        return f"[{mark}] {_topic(self.topic):<12} {self.text}"
+        return f"[{mark}] {pad(_topic(self.topic), 12)} {self.text}"
 
 
 def _topic(topic: str) -> str:
