@@ -338,6 +338,8 @@ def _imbalance_run(model, x, bias: float, factor, repeats: int) -> dict:
         with recorder:
             for _ in range(repeats):
                 dispatch_combine(h, r, model.w1, model.w2)
+            if x.is_cuda:
+                torch.cuda.synchronize()  # kernels run asynchronously: wait before reading the clock
         seconds = (time.perf_counter() - started) / repeats
     local = SIZES["experts"] // world
     mine = slice(dist.get_rank() * local, (dist.get_rank() + 1) * local)
