@@ -28,7 +28,8 @@ from .runtime.i18n import tr
 # Published sizes. Llama 3 70B: Llama 3 paper (arXiv:2407.21783), table 3. DeepSeek-V3: technical
 # report (arXiv:2412.19437), sections 2 and 4.2: 61 layers, the first 3 dense, 58 with 256 routed
 # experts (top 8) and one shared expert; 37B of the 671B parameters active per token; 15360
-# sequences of 4096 tokens per step (section 4.2). Llama 3 70B: 512 sequences of 8192 (our choice).
+# sequences of 4096 tokens per step (section 4.2). Llama 3 70B: 512 sequences of 8192, the global batch
+# of torchtitan's 70B benchmark (benchmarks/llama3_h100_202412_torchtitan.md, table 4).
 MODELS = {
     "Llama 3 70B": dict(
         params=70.6e9,
