@@ -416,21 +416,166 @@ def load_records(folder: Path = COMPAT_DIR) -> list[dict]:
 
 # ------------------------------------------------------------------ the page
 TITLE = "# Tested with"  # each language book shows its own (tools/book_interface.yml: page_titles)
-SUMMARY = {
-    "Русский": "Курс поддерживает torch от {lo} до {hi}; таблица показывает, какие главы выполняются с каждой версией.",
-    "简体中文": "本课程支持 torch {lo} 至 {hi}；下表列出各章在每个版本下能否运行。",
-    "繁體中文": "本課程支援 torch {lo} 至 {hi}；下表列出各章在每個版本下能否執行。",
-    "Português (Brasil)": "O curso suporta torch {lo} a {hi}; a tabela mostra quais capítulos rodam em cada versão.",
-    "한국어": "이 과정은 torch {lo}부터 {hi}까지 지원합니다. 표는 버전마다 각 장이 실행되는지 보여 줍니다.",
+# Book tags of tools/course_book.py: each language book shows only its own block of the page.
+BOOKS = {"en": "en", "ru": "ru", "zh-CN": "zh_CN", "zh-TW": "zh_TW", "pt-BR": "pt_BR", "ko": "ko"}
+# The page's words in every language of the book. A table of our own rather than the figure-text
+# catalogs, because this tool runs without the course package's environment (compat venvs).
+WORDS = {
+    "en": {
+        "intro": (
+            "The course supports **torch {lo} through {hi}**. Continuous integration runs the whole test\n"
+            "suite on every change with the pinned **torch {pinned}** (`requirements.txt`, a CPU build).\n"
+            "Every other release below was tested in an environment of its own, with that torch and its\n"
+            "torchvision as the package index serves them (on Linux, CUDA builds, here running on a CPU)\n"
+            "and every other requirement at its pin: the fast test tier, then every English chapter\n"
+            "executed cell by cell. `make compat TORCH=<version>` repeats one; a scheduled workflow reruns\n"
+            "the oldest and the newest supported release every week."
+        ),
+        "header": ["torch", "torchvision", "Python", "machine", "fast tier", "chapters passed", "date"],
+        "machine": "{cores} cores, {gpu}",
+        "gpu": "GPU",
+        "no gpu": "no GPU",
+        "tier": "{passed} passed, {failed} failed",
+        "not run": "not run",
+        "of": "{passed} of {total}",
+        "chapter": "chapter",
+        "cell": "cell {cell}",
+        "code cell": "code cell {cell}",
+        "none": "No release has been recorded yet (`make compat TORCH=<version>`).",
+        "failures": "Failures (code cells are counted from 0, as `pytest --nbval` names them):",
+        "fast tier": "fast tier",
+        "cases": "{count} cases",
+    },
+    "ru": {
+        "intro": (
+            "Курс поддерживает **torch от {lo} до {hi}**. Непрерывная интеграция при каждом изменении\n"
+            "прогоняет все тесты с закреплённой версией **torch {pinned}** (`requirements.txt`, сборка для CPU).\n"
+            "Каждый другой выпуск из таблицы проверен в отдельном окружении: с этим torch и его torchvision\n"
+            "в том виде, в каком их отдаёт индекс пакетов (на Linux это сборки CUDA, здесь работающие на CPU),\n"
+            "и с остальными зависимостями закреплённых версий. Сначала идёт быстрый набор тестов, затем\n"
+            "каждая английская глава выполняется ячейка за ячейкой. `make compat TORCH=<версия>` повторяет\n"
+            "проверку; плановый workflow раз в неделю перезапускает самый старый и самый новый выпуск."
+        ),
+        "header": ["torch", "torchvision", "Python", "машина", "быстрые тесты", "главы пройдены", "дата"],
+        "machine": "ядер: {cores}, {gpu}",
+        "gpu": "есть GPU",
+        "no gpu": "без GPU",
+        "tier": "пройдено {passed}, не пройдено {failed}",
+        "not run": "не запускались",
+        "of": "{passed} из {total}",
+        "chapter": "глава",
+        "cell": "ячейка {cell}",
+        "code cell": "ячейка кода {cell}",
+        "none": "Ни один выпуск пока не проверен (`make compat TORCH=<версия>`).",
+        "failures": "Что не прошло (ячейки кода нумеруются с 0, как их называет `pytest --nbval`):",
+        "fast tier": "быстрые тесты",
+        "cases": "случаев: {count}",
+    },
+    "zh-CN": {
+        "intro": (
+            "本课程支持 **torch {lo} 至 {hi}**。每次改动后，持续集成都会用固定版本 **torch {pinned}**"
+            "（`requirements.txt`，CPU 构建）运行全部测试。下表中的其他版本各在独立的环境中测试："
+            "torch 及其 torchvision 取自包索引提供的版本（Linux 上是 CUDA 构建，这里在 CPU 上运行），"
+            "其余依赖都用固定版本；先跑快速测试，再逐个单元格执行每一章英文版。"
+            "`make compat TORCH=<版本>` 可以重跑某个版本；定时 workflow 每周重跑支持范围内最旧和最新的版本。"
+        ),
+        "header": ["torch", "torchvision", "Python", "机器", "快速测试", "通过的章节", "日期"],
+        "machine": "{cores} 核，{gpu}",
+        "gpu": "有 GPU",
+        "no gpu": "无 GPU",
+        "tier": "通过 {passed}，失败 {failed}",
+        "not run": "未运行",
+        "of": "{passed} / {total}",
+        "chapter": "章节",
+        "cell": "单元格 {cell}",
+        "code cell": "代码单元格 {cell}",
+        "none": "尚未记录任何版本（`make compat TORCH=<版本>`）。",
+        "failures": "失败项（代码单元格从 0 开始编号，与 `pytest --nbval` 的编号一致）：",
+        "fast tier": "快速测试",
+        "cases": "{count} 例",
+    },
+    "zh-TW": {
+        "intro": (
+            "本課程支援 **torch {lo} 至 {hi}**。每次變更後，持續整合都會以固定版本 **torch {pinned}**"
+            "（`requirements.txt`，CPU 建置）執行全部測試。下表中的其他版本各在獨立的環境中測試："
+            "torch 與其 torchvision 取自套件索引提供的版本（Linux 上是 CUDA 建置，這裡在 CPU 上執行），"
+            "其餘相依套件都用固定版本；先跑快速測試，再逐格執行每一章英文版。"
+            "`make compat TORCH=<版本>` 可以重跑某個版本；排程 workflow 每週重跑支援範圍內最舊與最新的版本。"
+        ),
+        "header": ["torch", "torchvision", "Python", "機器", "快速測試", "通過的章節", "日期"],
+        "machine": "{cores} 核心，{gpu}",
+        "gpu": "有 GPU",
+        "no gpu": "無 GPU",
+        "tier": "通過 {passed}，失敗 {failed}",
+        "not run": "未執行",
+        "of": "{passed} / {total}",
+        "chapter": "章節",
+        "cell": "儲存格 {cell}",
+        "code cell": "程式碼儲存格 {cell}",
+        "none": "尚未記錄任何版本（`make compat TORCH=<版本>`）。",
+        "failures": "失敗項目（程式碼儲存格從 0 起算，與 `pytest --nbval` 的編號一致）：",
+        "fast tier": "快速測試",
+        "cases": "{count} 例",
+    },
+    "pt-BR": {
+        "intro": (
+            "O curso suporta **torch {lo} a {hi}**. A integração contínua roda a suíte de testes inteira\n"
+            "a cada mudança com a versão fixada, **torch {pinned}** (`requirements.txt`, build para CPU).\n"
+            "Cada uma das outras versões abaixo foi testada num ambiente próprio, com esse torch e o\n"
+            "torchvision correspondente como o índice de pacotes os entrega (no Linux, builds CUDA, aqui\n"
+            "rodando em CPU) e as demais dependências nas versões fixadas: primeiro a bateria rápida de\n"
+            "testes, depois cada capítulo em inglês executado célula por célula. `make compat TORCH=<versão>`\n"
+            "repete um teste; um workflow agendado reexecuta toda semana a versão mais antiga e a mais nova."
+        ),
+        "header": ["torch", "torchvision", "Python", "máquina", "testes rápidos", "capítulos aprovados", "data"],
+        "machine": "{cores} núcleos, {gpu}",
+        "gpu": "com GPU",
+        "no gpu": "sem GPU",
+        "tier": "{passed} aprovados, {failed} com falha",
+        "not run": "não executados",
+        "of": "{passed} de {total}",
+        "chapter": "capítulo",
+        "cell": "célula {cell}",
+        "code cell": "célula de código {cell}",
+        "none": "Nenhuma versão foi registrada ainda (`make compat TORCH=<versão>`).",
+        "failures": "Falhas (as células de código são contadas a partir de 0, como o `pytest --nbval` as numera):",
+        "fast tier": "testes rápidos",
+        "cases": "{count} casos",
+    },
+    "ko": {
+        "intro": (
+            "이 과정은 **torch {lo}부터 {hi}까지** 지원합니다. 지속적 통합(CI)은 변경이 있을 때마다 고정 버전인\n"
+            "**torch {pinned}**(`requirements.txt`, CPU 빌드)로 전체 테스트를 실행합니다. 표의 다른 릴리스는\n"
+            "각각 별도 환경에서 테스트했습니다. torch와 torchvision은 패키지 인덱스가 제공하는 그대로\n"
+            "(Linux에서는 CUDA 빌드이며 여기서는 CPU에서 실행), 나머지 의존성은 고정 버전으로 설치하고\n"
+            "빠른 테스트를 먼저 돌린 뒤 영어판 각 장을 셀 단위로 실행합니다. `make compat TORCH=<버전>`으로\n"
+            "다시 실행할 수 있고, 예약된 워크플로가 매주 지원 범위의 가장 오래된 릴리스와\n"
+            "최신 릴리스를 다시 테스트합니다."
+        ),
+        "header": ["torch", "torchvision", "Python", "머신", "빠른 테스트", "통과한 장", "날짜"],
+        "machine": "코어 {cores}개, {gpu}",
+        "gpu": "GPU 있음",
+        "no gpu": "GPU 없음",
+        "tier": "통과 {passed}, 실패 {failed}",
+        "not run": "실행 안 함",
+        "of": "{total}개 중 {passed}개",
+        "chapter": "장",
+        "cell": "셀 {cell}",
+        "code cell": "코드 셀 {cell}",
+        "none": "아직 기록된 릴리스가 없습니다(`make compat TORCH=<버전>`).",
+        "failures": "실패 항목(코드 셀 번호는 `pytest --nbval`과 같이 0부터 셉니다):",
+        "fast tier": "빠른 테스트",
+        "cases": "{count}건",
+    },
 }
 
 
-def cell_mark(entry: dict | None) -> str:
+def cell_mark(entry: dict | None, words: dict = WORDS["en"]) -> str:
     if entry is None:
         return "–"
     if entry["status"] == "passed":
         return f"✅ {entry.get('date', '')}".strip()
-    where = f" cell {entry['cell']}" if "cell" in entry else ""
+    where = " " + words["cell"].format(cell=entry["cell"]) if "cell" in entry else ""
     return f"❌{where} ({entry.get('date', '')})"
 
 
@@ -439,75 +584,75 @@ def code_span(text: str) -> str:
 
 
 def render_page(records: list[dict], chapters: list[str], pinned: str) -> str:
-    """tested-with.md: the window, one column per recorded torch, one row per chapter."""
+    """tested-with.md: the window, one column per recorded torch, one row per chapter.
+
+    One block per language, shown only in that language's book (``{only} book_<locale>``)."""
     lo, hi = SUPPORTED
     lines = [
         "% Generated by `python tools/compat.py page` from compat/*.json; edit those, not this page.",
         "",
         TITLE,
         "",
-        f"The course supports **torch {lo} through {hi}**. Continuous integration runs the whole test",
-        f"suite on every change with the pinned **torch {pinned}** (`requirements.txt`, a CPU build).",
-        "Every other release below was tested in an environment of its own, with that torch and its",
-        "torchvision as the package index serves them (on Linux, CUDA builds, here running on a CPU)",
-        "and every other requirement at its pin: the fast test tier, then every English chapter",
-        "executed cell by cell. `make compat TORCH=<version>` repeats one; a scheduled workflow reruns",
-        "the oldest and the newest supported release every week.",
-        "",
     ]
-    lines += [f"- {language}: {text.format(lo=lo, hi=hi)}" for language, text in SUMMARY.items()]
-    lines += ["", *environment_table(records), "", *chapter_matrix(records, chapters), ""]
-    lines += failure_list(records)
+    for lang, words in WORDS.items():
+        block = [words["intro"].format(lo=lo, hi=hi, pinned=pinned), ""]
+        block += [*environment_table(records, words), "", *chapter_matrix(records, chapters, lang, words), ""]
+        block += failure_list(records, words)
+        body = "\n".join(block).rstrip()
+        lines += [f"```{{only}} book_{BOOKS[lang]}", body, "```", ""]
     return "\n".join(lines).rstrip() + "\n"
 
 
-def environment_table(records: list[dict]) -> list[str]:
+def environment_table(records: list[dict], words: dict = WORDS["en"]) -> list[str]:
     if not records:
-        return ["No release has been recorded yet (`make compat TORCH=<version>`)."]
-    lines = ["| torch | torchvision | Python | machine | fast tier | chapters passed | date |", "|---" * 7 + "|"]
+        return [words["none"]]
+    lines = ["| " + " | ".join(words["header"]) + " |", "|---" * 7 + "|"]
     for r in records:
         fast = r.get("fast")
-        tier = f"{fast['passed']} passed, {fast['failed'] + fast['error']} failed" if fast else "not run"
+        tier = (
+            words["tier"].format(passed=fast["passed"], failed=fast["failed"] + fast["error"])
+            if fast
+            else words["not run"]
+        )
         notebooks = r.get("notebooks", {})
         passed = sum(nb["status"] == "passed" for nb in notebooks.values())
         build = r["torch_build"] + (f" (CUDA {r['cuda']})" if r.get("cuda") else "")
-        where = f"{r['machine']['cores']} cores, {'GPU' if r.get('gpu') else 'no GPU'}"
+        where = words["machine"].format(cores=r["machine"]["cores"], gpu=words["gpu" if r.get("gpu") else "no gpu"])
         lines.append(
             f"| {build} | {r['torchvision']} | {r['python']} | {where} | {tier} "
-            f"| {passed} of {len(notebooks)} | {r['date'][:10]} |"
+            f"| {words['of'].format(passed=passed, total=len(notebooks))} | {r['date'][:10]} |"
         )
     return lines
 
 
-def chapter_matrix(records: list[dict], chapters: list[str]) -> list[str]:
+def chapter_matrix(records: list[dict], chapters: list[str], lang: str = "en", words: dict = WORDS["en"]) -> list[str]:
     if not records:
         return []
     names = sorted(set(chapters) | {name for r in records for name in r.get("notebooks", {})})
     lines = [
-        "| chapter | " + " | ".join(f"torch {r['torch']}" for r in records) + " |",
+        f"| {words['chapter']} | " + " | ".join(f"torch {r['torch']}" for r in records) + " |",
         "|---" * (len(records) + 1) + "|",
     ]
     for name in names:
-        marks = [cell_mark(r.get("notebooks", {}).get(name)) for r in records]
-        lines.append(f"| [{name}](chapters/en/{name}.ipynb) | " + " | ".join(marks) + " |")
+        marks = [cell_mark(r.get("notebooks", {}).get(name), words) for r in records]
+        lines.append(f"| [{name}](chapters/{lang}/{name}.ipynb) | " + " | ".join(marks) + " |")
     return lines
 
 
-def failure_list(records: list[dict]) -> list[str]:
+def failure_list(records: list[dict], words: dict = WORDS["en"]) -> list[str]:
     """What failed, with the cell (nbval's count of code cells, from 0) and the error's line."""
     lines = []
     for r in records:
         for name, nb in sorted(r.get("notebooks", {}).items()):
             if nb["status"] != "passed":
-                where = f", code cell {nb['cell']}" if "cell" in nb else ""
+                where = ", " + words["code cell"].format(cell=nb["cell"]) if "cell" in nb else ""
                 lines.append(f"- torch {r['torch']}, {name}{where}: {code_span(nb.get('reason', ''))}")
         for test, (count, reason) in fast_failure_groups(r).items():
-            times = f" ({count} cases)" if count > 1 else ""
-            lines.append(f"- torch {r['torch']}, fast tier, {code_span(test)}{times}: {code_span(reason)}")
+            times = " (" + words["cases"].format(count=count) + ")" if count > 1 else ""
+            lines.append(f"- torch {r['torch']}, {words['fast tier']}, {code_span(test)}{times}: {code_span(reason)}")
     if not lines:
         return []
-    head = ["Failures (code cells are counted from 0, as `pytest --nbval` names them):", ""]
-    return head + lines + [""]
+    return [words["failures"], ""] + lines + [""]
 
 
 def fast_failure_groups(record: dict) -> dict:

@@ -185,6 +185,20 @@ def test_page_shows_the_window_the_pin_and_every_result():
     assert "| 2.15.0+cu130 (CUDA 13.0) | 0.29.2 | 3.11.7 | 2 cores, no GPU |" in page
 
 
+def test_every_language_book_reads_the_page_in_its_language():
+    failed = {"status": "failed", "cell": 7, "reason": "E", "date": "2026-01-06"}
+    records = [record("2.15.0", {"01-a": failed}, {"passed": 9, "failed": 1, "error": 0, "failures": []})]
+    page = compat.render_page(records, ["01-a"], pinned="2.13.0")
+    blocks = re.findall(r"```\{only\} book_(\w+)\n(.*?)\n```", page, re.S)
+    assert [tag for tag, _ in blocks] == ["en", "ru", "zh_CN", "zh_TW", "pt_BR", "ko"]
+    text = dict(blocks)
+    assert "| глава | torch 2.15.0 |" in text["ru"] and "пройдено 9, не пройдено 1" in text["ru"]
+    assert "[01-a](chapters/ko/01-a.ipynb) | ❌ 셀 7 (2026-01-06)" in text["ko"]
+    assert "코드 셀 7" in text["ko"] and "2 cores" not in text["ko"]
+    assert "通過 9，失敗 1" in text["zh_TW"] and "通过 9，失败 1" in text["zh_CN"]
+    assert "9 aprovados, 1 com falha" in text["pt_BR"]
+
+
 def test_page_without_records_says_so():
     page = compat.render_page([], ["01-a"], pinned="2.13.0")
     assert "No release has been recorded yet" in page and "| chapter |" not in page
