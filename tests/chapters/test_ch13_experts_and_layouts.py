@@ -53,6 +53,9 @@ def test_aux_loss_is_alpha_when_balanced_and_grows_with_skew():
     # a hand computation of Switch's eq. 4: f = (0.5, 0.5, 0, 0), P = (0.25, 0.5, 0.125, 0.125)
     load, probs = torch.tensor([4.0, 4, 0, 0]), torch.tensor([2.0, 4, 1, 1])
     numerics.assert_close(experts.aux_loss(load, probs, tokens, k, alpha=1.0), 4 * (0.5 * 0.25 + 0.5 * 0.5), terms=e)
+    # top-2: f counts each token's 2 choices (sum 8), P the mean probability: f = P = (0.5, 0.25, 0.25, 0)
+    load, probs = torch.tensor([4.0, 2, 2, 0]), torch.tensor([2.0, 1, 1, 0])
+    numerics.assert_close(experts.aux_loss(load, probs, 4, 2, alpha=1.0), 4 * (0.25 + 0.0625 + 0.0625), terms=e)
 
 
 def test_reference_routes_each_group_with_its_own_capacity():
