@@ -10,7 +10,7 @@ import pytest
 import torch
 
 import distcourse
-from distcourse import experts, layouts
+from distcourse import experts, layouts, meshes
 from distcourse.common import numerics
 
 
@@ -106,6 +106,20 @@ def test_memory_states_are_sixteen_bytes_per_parameter_over_all_gpus():
     # with pp, the whole stage stays gathered: expert weights divided by ep
     stage = model["expert_params"] / 16 / 64 + (model["params"] - model["expert_params"]) / 16
     numerics.assert_close(layouts.memory(model, layout)["gathered"], 2 * stage, terms=4)
+
+
+def test_traffic_without_pp_and_ep_is_chapter_10s_volume():
+    model = layouts.MODELS["Llama 3 70B"]
+    sizes = dict(params=model["params"], layers=model["layers"], hidden=model["hidden"], recompute=True)
+    for layout, name in (
+        ({"pp": 1, "dp": 4, "tp": 8, "ep": 1}, "tp+fsdp"),
+        ({"pp": 1, "dp": 32, "tp": 1, "ep": 1}, "fsdp"),
+    ):
+        tokens = layouts.microbatches(model, layout) * model["seq"]
+        volume = meshes.volume(name, **sizes, tokens=tokens, gpus_per_node=8, nodes=4)
+        ours = layouts.traffic(model, layout)
+        assert math.isclose(ours["tp"], volume["inside"], rel_tol=1e-12)
+        assert math.isclose(ours["dp"], volume["between"], rel_tol=1e-12)
 
 
 def test_choose_a_dense_model():
