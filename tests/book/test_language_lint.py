@@ -148,6 +148,15 @@ def test_english_words_skip_identifiers_units_and_fields():
         ("pt-BR", "um resultado reproduzível", "um resultado reprodutível"),
         ("pt-BR", "uma checagem rápida", "uma verificação rápida"),
         ("pt-BR", "troca memória da GPU por tráfego PCIe", "economiza memória da GPU à custa de tráfego PCIe"),
+        ("ru", "через хранилище ключ-значение", "через хранилище «ключ — значение»"),
+        ("ru", "Знайте, что ранги не ждут", "Помните, что ранги не ждут"),
+        ("ru", "ранги одной группы конвейера", "ранги одной конвейерной группы"),
+        ("ru", "совпадает с непрерывным запуском", "совпадает с запуском без прерывания"),
+        ("zh-CN", "这是最后一公里的优化", "这是收尾阶段的微调"),
+        ("zh-CN", "每个论断都有一个 assert 来验证", "每个结论都用 assert 验证"),
+        ("zh-TW", "Reduce-scatter 環節", "Reduce-scatter 階段"),
+        ("zh-TW", "乾淨地失敗", "明確地報錯"),
+        ("pt-BR", 'cada coluna "after" da tabela', 'cada coluna "depois" da tabela'),
     ],
 )
 def test_terms_catch_the_reviewers_splits(lang, bad, good):
