@@ -8,11 +8,15 @@ import os
 
 import pytest
 import torch
+import torch.distributed.checkpoint as dcp
+from torch import nn
 
 import distcourse
 from distcourse import capstone, launchers, parameter_server, sharding
+from distcourse.capstone import checkpointing, metrics, optim, parallelize
 from distcourse.common import numerics, subprocesses
 from distcourse.exercises import ch12
+from distcourse.runtime import gpus
 
 QUICK = ["--steps", "6", "--log-every", "2", "--eval-every", "3", "--eval-batches", "1", "--workers", "0"]
 QUICK += ["--progress", "off", "--sample-bytes", "8", "--limit-windows", "40"]
@@ -147,14 +151,115 @@ def test_deterministic_flag_sets_what_gpus_need_and_changes_nothing_on_a_cpu(res
 
 
 def test_resume_from_a_checkpoint_gives_the_uninterrupted_curve(tmp_path, restore_determinism):
-    exact = [*QUICK, "--deterministic"]  # bitwise comparisons: on GPUs only with deterministic kernels
-    whole = capstone.main([*exact, "--steps", "9", "--out", str(tmp_path / "whole")])
-    ckpt = ["--ckpt-dir", str(tmp_path / "ckpt"), "--save-every", "3"]
-    capstone.main([*exact, "--steps", "5", *ckpt, "--out", str(tmp_path / "cut")])  # saves steps 3; stops at 5
-    resumed = capstone.main([*exact, "--steps", "9", *ckpt, "--out", str(tmp_path / "cut")])
-    assert resumed["resumed from"] == 3
-    assert capstone.read_metrics(tmp_path / "cut")["loss"] == capstone.read_metrics(tmp_path / "whole")["loss"]
+    """Schedule, loader position and the step come from the checkpoint: drop one and the curves part."""
+    exact = [*QUICK, "--deterministic", "--steps", "9"]  # bitwise comparisons: on GPUs only with deterministic kernels
+    whole = capstone.main([*exact, "--out", str(tmp_path / "whole")])
+    ckpt = ["--ckpt-dir", str(tmp_path / "ckpt")]
+    capstone.main([*exact, *ckpt, "--save-every", "3", "--background-staging"])  # saves steps 3, 6 and 9
+    for later in ("step-000006", "step-000009"):
+        (tmp_path / "ckpt" / later).rename(tmp_path / later)  # resume from step 3: mid-epoch, mid-warm-up
+    resumed = capstone.main([*exact, *ckpt, "--save-every", "100", "--out", str(tmp_path / "cut")])
+    assert resumed["resumed from"] == 3 and resumed["steps per epoch"] == 5
+    cut, full = capstone.read_metrics(tmp_path / "cut"), capstone.read_metrics(tmp_path / "whole")
+    for curve in ("loss", "grad norm", "lr"):
+        assert cut[curve] == {step: value for step, value in full[curve].items() if step >= 3}, curve
     assert resumed["sample"] == whole["sample"]
+
+
+def test_a_checkpoint_holds_the_schedule_the_loader_position_and_the_loss_scale(tmp_path):
+    capstone.main([*QUICK, "--precision", "fp16", "--steps", "7", "--ckpt-dir", str(tmp_path), "--save-every", "7"])
+    state = {"scheduler": {"last_epoch": -1}, "loader": {"epoch": -1, "samples": -1}, "scaler": {"scale": 0.0}}
+    dcp.load(state, checkpoint_id=tmp_path / "step-000007", no_dist=True)  # a partial load: these entries only
+    assert state["loader"] == {"epoch": 1, "samples": 16}  # 5 steps of 8 windows per epoch: step 7 is 2 batches in
+    assert state["scheduler"]["last_epoch"] == 7
+    assert state["scaler"]["scale"] == 2.0**16  # GradScaler's initial scale: no overflow, no growth yet
+
+
+def test_a_loader_refuses_a_position_that_is_not_a_whole_number_of_batches():
+    dataset = capstone.Windows(torch.zeros(2000, dtype=torch.uint8), seq_len=8, limit=40)
+    _, loader, _ = capstone.make_loader(capstone.parse_args(QUICK), dataset, 1, 0, torch.device("cpu"))
+    loader.load_state_dict({"epoch": 2, "samples": 16})
+    assert (loader.epoch, loader.batches) == (2, 2) and len(list(loader)) == 3 and loader.state_dict()["epoch"] == 3
+    with pytest.raises(ValueError, match="global batch"):
+        loader.load_state_dict({"epoch": 0, "samples": 12})
+
+
+# --------------------------------------------------------------------------------------
+# What a team's job has: schedule, weight decay, clipping, fp16, MFU
+# --------------------------------------------------------------------------------------
+
+
+def test_learning_rate_warms_up_then_follows_a_cosine_to_a_tenth():
+    lr = capstone.main([*QUICK, "--steps", "12", "--warmup", "4", "--lr", "0.01"])["lr"]
+    assert [lr[s] for s in range(4)] == pytest.approx([0.0025, 0.005, 0.0075, 0.01])  # (step + 1) / warmup
+    assert all(lr[s] > lr[s + 1] for s in range(3, 11)) and lr[11] == pytest.approx(0.01 * optim.FLOOR)
+    assert lr[7] == pytest.approx(0.01 * (0.1 + 0.9 * 0.5))  # half-way through the cosine
+    assert optim.lr_factor(12, 4, 12) == pytest.approx(optim.FLOOR)
+
+
+def test_weight_decay_falls_on_the_linear_layers_weights_only():
+    model = capstone.gpt(0, vocab=256)
+    linear = {f"{name}.weight" for name, m in model.named_modules() if isinstance(m, nn.Linear)}
+    assert optim.decayed_names(model) == linear and not any("norm" in n or "embed" in n for n in linear)
+    optimizer, _ = optim.build_optimizer(model, capstone.parse_args(["--lr", "0.01", "--weight-decay", "0.5"]))
+    lr = optimizer.param_groups[0]["lr"]  # step 0 of the warm-up
+    before = {name: p.detach().clone() for name, p in model.named_parameters()}
+    for p in model.parameters():
+        p.grad = torch.zeros_like(p)  # no gradient: AdamW's step is its decay alone
+    optimizer.step()
+    for name, p in model.named_parameters():
+        factor = 1 - lr * 0.5 if name in linear else 1.0
+        torch.testing.assert_close(p.detach(), before[name] * factor, rtol=1.3e-6, atol=0, msg=name)
+    assert any(not torch.equal(p, before[n]) for n, p in model.named_parameters() if n in linear)
+
+
+def test_clipping_scales_the_gradients_to_max_norm_and_changes_the_training():
+    model = capstone.gpt(0, vocab=256)
+    tokens = torch.randint(0, 256, (4, 17), generator=torch.Generator().manual_seed(0))
+    capstone.loss_of(model, tokens[:, :-1], tokens[:, 1:]).backward()
+    grads = [p.grad.clone() for p in model.parameters()]
+    assert torch.equal(optim.clip(model, 0), nn.utils.get_total_norm(grads))  # 0: measured, not clipped
+    assert all(torch.equal(p.grad, g) for p, g in zip(model.parameters(), grads))
+    norm = optim.clip(model, 0.01)
+    after = nn.utils.get_total_norm([p.grad for p in model.parameters()])
+    assert norm > 0.1 and after.item() == pytest.approx(0.01, rel=1e-5)
+    clipped, free = (capstone.main([*QUICK, "--max-norm", m]) for m in ("0.01", "0"))
+    assert clipped["grad norm"][0] == free["grad norm"][0] > 0.01  # the same first step, measured before clipping
+    assert clipped["loss"][5] != free["loss"][5]
+
+
+def test_fp16_with_a_loss_scaler_trains_like_fp32_on_this_cpu():
+    assert optim.grad_scaler(torch.device("cpu"), "fp16").is_enabled()
+    assert not optim.grad_scaler(torch.device("cpu"), "bf16").is_enabled()
+    fp32, fp16 = capstone.main(QUICK), capstone.main([*QUICK, "--precision", "fp16"])
+    assert fp16["precision"] == "fp16"
+    # fp16 keeps 11 significant bits (bf16 8): its gap stays under chapter 12's bound for bf16.
+    assert 0 < numerics.gap(fp16["loss"], fp32["loss"]) < 5e-3
+
+
+def test_precision_auto_follows_the_gpu_profile(monkeypatch):
+    for profile in gpus.PROFILES.values():
+        expected = "bf16" if profile.native_bf16 else "fp16"
+        assert parallelize.choose_precision("auto", profile) == expected, profile.key
+    assert parallelize.choose_precision("auto", gpus.PROFILES["T4"]) == "fp16"  # emulated bf16 is not fast bf16
+    assert parallelize.choose_precision("auto", gpus.PROFILES["A100-80GB-SXM"]) == "bf16"
+    assert parallelize.choose_precision("auto", None) == "fp32"  # a CPU
+    assert parallelize.choose_precision("bf16", gpus.PROFILES["T4"]) == "bf16"  # a flag given is a flag obeyed
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: "Tesla V100-SXM2-32GB")
+    assert parallelize.profile_of(torch.device("cuda", 0)).key == "V100-SXM2-32GB"
+    assert parallelize.profile_of(torch.device("cpu")) is None
+
+
+def test_mfu_comes_from_tokens_per_second_and_the_profile_peak(capsys):
+    h100 = gpus.PROFILES["H100-SXM"]
+    flops = metrics.flops_per_token(130_000, layers=2, hidden=64, seq_len=64)
+    assert flops == 6 * 130_000 + 12 * 2 * 64 * 64
+    mfu = metrics.model_flops_utilization(4e6, flops, 4, metrics.peak_of(h100, "bf16"))
+    assert mfu == pytest.approx(4e6 * flops / 4 / 989.5e12)
+    assert metrics.peak_of(h100, "fp32") == 67 and metrics.peak_of(None, "bf16") is None
+    result = capstone.main(QUICK)
+    assert result["mfu"] is None and "[rank 0] MFU needs a GPU profile" in capsys.readouterr().out
 
 
 # --------------------------------------------------------------------------------------
@@ -167,6 +272,12 @@ def test_fsdp_on_two_ranks_trains_what_one_process_trains():
     two = distcourse.launch(capstone.main, 2, args=([*QUICK, "--batch-size", "4"],), quiet=True)
     assert two[0]["dp"] == two[1]["dp"] == 2
     numerics.assert_close(two[0]["loss"], one["loss"], terms=TOKENS)
+    # clipping under FSDP2: the norm of the sharded gradients is the whole model's
+    numerics.assert_close(two[0]["grad norm"], one["grad norm"], terms=TOKENS, what="gradient norm")
+    assert min(one["grad norm"].values()) > 1.0  # above --max-norm 1: every step was clipped
+    # fp16 on two ranks: ShardedGradScaler unscales the shards and agrees on overflows across ranks
+    half = distcourse.launch(capstone.main, 2, args=([*QUICK, "--batch-size", "4", "--precision", "fp16"],), quiet=True)
+    assert half[0]["precision"] == "fp16" and 0 < numerics.gap(half[0]["loss"], one["loss"]) < 5e-3
     assert "sample" not in two[1]  # only rank 0 generates and reports
 
 
@@ -184,6 +295,8 @@ def test_tensor_parallel_mesh_and_activation_checkpointing_train_the_same_model(
     )[0]
     assert (mesh["dp"], mesh["tp"]) == (2, 2)
     numerics.assert_close(mesh["loss"], reference["loss"], terms=TOKENS)
+    # clipping across the (dp, tp) mesh with sequence parallelism: the same norms as FSDP2 alone
+    numerics.assert_close(mesh["grad norm"], reference["grad norm"], terms=TOKENS, what="gradient norm")
     assert checkpointed["loss"] == reference["loss"]  # bitwise: the recomputation repeats the same kernels
 
 
@@ -205,9 +318,14 @@ def test_a_two_rank_checkpoint_resumes_on_four_ranks_and_on_a_mesh(tmp_path):
     ranks = distcourse.launch(capstone.resume_resharded, 4, args=(argv, layouts), quiet=True)
     dcp_to_torch_save(tmp_path / "step-000003", tmp_path / "step-3.pt")
     converted = torch.load(tmp_path / "step-3.pt", weights_only=True)["model"]
+    weights = checkpointing.model_weights(tmp_path / "step-000003")  # the model's entries only
+    assert weights.keys() == converted.keys() and all(torch.equal(weights[k], converted[k]) for k in converted)
     w2 = "layers.0.feed_forward.w2.weight"
     assert [r["flat"]["loaded"]["local shapes"][w2] for r in ranks] == [(16, 256)] * 4
     assert [r["mesh"]["loaded"]["local shapes"][w2] for r in ranks] == [(32, 128)] * 4
+    # sequence parallelism: every parameter, the norms' included, on the one (dp, tp) mesh
+    assert set(ranks[0]["mesh"]["loaded"]["meshes"].values()) == {("dp", "tp")}
+    assert set(ranks[0]["flat"]["loaded"]["meshes"].values()) == {("dp",)}
     for name in layouts:
         loaded, run = ranks[0][name]["loaded"], ranks[0][name]["run"]
         assert loaded["step"] == run["resumed from"] == 3 and ranks[1][name]["loaded"]["model"] is None
@@ -228,7 +346,18 @@ def test_tensor_parallel_degree_must_divide_the_ranks():
 
 @pytest.mark.slow
 def test_torchrun_kill_and_restart_resumes_exactly(tmp_path):
-    common = [*QUICK, "--steps", "8", "--log-every", "1", "--deterministic"]  # bitwise resume, also on GPUs
+    corpus = tmp_path / "corpus.txt"  # fixed text: the chapters may change between the two runs
+    corpus.write_text(capstone.corpus_text(capstone.COURSE_CHAPTERS), encoding="utf-8")
+    common = [
+        *QUICK,
+        "--steps",
+        "8",
+        "--log-every",
+        "1",
+        "--deterministic",
+        "--corpus",
+        corpus,
+    ]  # bitwise, also on GPUs
     plain = subprocesses.run(
         subprocesses.torchrun(
             "--standalone",

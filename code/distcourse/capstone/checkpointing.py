@@ -37,20 +37,60 @@ def latest_complete(root: pathlib.Path | None) -> tuple[int, pathlib.Path | None
     return int(newest.name.split("-")[1]), newest, [d.name for d in found if d.name > newest.name]
 
 
-def state_of(model, optimizer) -> dict:
+def agreed_checkpoint(root: pathlib.Path | None, group=None) -> tuple[int, pathlib.Path | None, list[str]]:
+    """``latest_complete`` as rank 0 sees it, on every rank.
+
+    On a shared file system with attribute caching, ranks of different nodes can disagree for a
+    moment about whether a ``.metadata`` file exists, and would resume from different steps.
+    So rank 0 looks, and one ``broadcast_object_list`` tells the others."""
+    if not dist.is_initialized():
+        return latest_complete(root)
+    found = [latest_complete(root) if dist.get_rank() == 0 else None]
+    dist.broadcast_object_list(found, src=0, group=group)
+    return found[0]
+
+
+def state_of(model, optimizer, extra: dict | None = None) -> dict:
+    """What a checkpoint holds: the model and optimizer (sharded, DTensor entries under FSDP2),
+    and the ``state_dict()`` of every object in ``extra`` (the learning-rate schedule, the data
+    loader's position, fp16's loss scale)."""
     from torch.distributed.checkpoint.state_dict import get_state_dict
 
-    model_state, optimizer_state = get_state_dict(model, optimizer)  # sharded (DTensor) entries under FSDP2
-    return {"model": model_state, "optimizer": optimizer_state}
+    model_state, optimizer_state = get_state_dict(model, optimizer)
+    return {"model": model_state, "optimizer": optimizer_state} | {
+        name: thing.state_dict() for name, thing in (extra or {}).items()
+    }
 
 
-def load_state(path: pathlib.Path, model, optimizer, group) -> None:
+def load_state(path: pathlib.Path, model, optimizer, group, extra: dict | None = None) -> None:
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import set_state_dict
 
-    state = state_of(model, optimizer)
+    state = state_of(model, optimizer, extra)
     dcp.load(state, checkpoint_id=path, process_group=group)  # each rank reads its own shards
     set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optimizer"])
+    for name, thing in (extra or {}).items():
+        thing.load_state_dict(state[name])
+
+
+def model_weights(path: pathlib.Path) -> dict:
+    """The model's tensors of a DCP checkpoint, in one process, without the optimizer's.
+
+    ``dcp_to_torch_save`` reads everything, AdamW's two moments included (about 16 bytes per
+    parameter in all with fp32 weights). A partial load reads only the entries asked for: empty
+    tensors of the saved shapes and dtypes (from the metadata), filled by ``dcp.load`` without a
+    process group."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint import FileSystemReader
+
+    saved = FileSystemReader(path).read_metadata().state_dict_metadata
+    model = {
+        name.removeprefix("model."): torch.empty(meta.size, dtype=meta.properties.dtype)
+        for name, meta in saved.items()
+        if name.startswith("model.")
+    }
+    dcp.load({"model": model}, checkpoint_id=path, no_dist=True)
+    return model
 
 
 def save(args, job, run):
@@ -61,6 +101,11 @@ def save(args, job, run):
     time: the previous one must be finished before the next is staged. ``run.saves`` gets
     one record per save: the seconds the loop waited, and after how many the checkpoint
     was complete (the returned future resolves only once that is recorded).
+
+    With ``--background-staging`` the copy to CPU memory runs in the background too
+    (``DefaultStager``): ``async_save`` then returns an ``AsyncSaveResponse`` of two futures,
+    and the loop must wait for ``staging_completion`` before the next optimizer step changes
+    the parameters being copied (``train_step`` does); ``upload_completion`` is the old future.
     """
     import concurrent.futures
 
@@ -68,7 +113,7 @@ def save(args, job, run):
 
     if run.saving is not None:
         run.saving.result()
-    path, state = checkpoint_dir(args.ckpt_dir, run.step), state_of(job.model, job.optimizer)
+    path, state = checkpoint_dir(args.ckpt_dir, run.step), state_of(job.model, job.optimizer, job.extra)
     record = {"step": run.step}
     run.saves.append(record)
     start = clock(job.device)  # after this step's kernels: the save's own time
@@ -77,7 +122,9 @@ def save(args, job, run):
         record.update({"waited": clock(job.device) - start, "writing on return": False})
         record["complete after"] = record["waited"]
         return None
-    written = dcp.async_save(state, checkpoint_id=path, process_group=job.ckpt_group)
+    written = dcp.async_save(state, checkpoint_id=path, process_group=job.ckpt_group, async_stager=job.stager)
+    if job.stager is not None:  # background staging: an AsyncSaveResponse, not a future
+        run.staging, written = written.staging_completion, written.upload_completion
     record.update({"waited": clock(job.device) - start, "writing on return": not written.done()})
     recorded = concurrent.futures.Future()
 
@@ -92,12 +139,22 @@ def save(args, job, run):
     return recorded
 
 
+def background_stager(device: torch.device):
+    """``--background-staging``: DCP's ``DefaultStager``, which copies the state to CPU memory
+    in a thread of its own; pinned (page-locked) memory and non-blocking copies on a GPU."""
+    from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
+
+    gpu = device.type == "cuda"
+    return DefaultStager(StagingOptions(use_pinned_memory=gpu, use_shared_memory=False, use_non_blocking_copy=gpu))
+
+
 def loaded_model(args, device: torch.device, world_size: int) -> dict:
     """Build the model for this layout and load the newest complete checkpoint of
     ``args.ckpt_dir`` into it: each rank reads only the slices its own shards need.
 
-    Returns the step, this rank's local shape of every parameter, and, on rank 0, the whole
-    tensors gathered from the shards (a collective: every rank calls it).
+    Returns the step, this rank's local shape of every parameter and the mesh dimensions it is
+    spread over, and, on rank 0, the whole tensors gathered from the shards (a collective:
+    every rank calls it).
     """
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import (
@@ -117,9 +174,13 @@ def loaded_model(args, device: torch.device, world_size: int) -> dict:
     local = {
         name: tuple(p.to_local().shape if isinstance(p, DTensor) else p.shape) for name, p in model.named_parameters()
     }
+    meshes = {  # the mesh dimensions each parameter is spread over
+        name: tuple(p.device_mesh.mesh_dim_names) if isinstance(p, DTensor) else ()
+        for name, p in model.named_parameters()
+    }
     full = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
     master = not dist.is_initialized() or dist.get_rank() == 0
-    return {"step": step, "local shapes": local, "model": full if master else None}
+    return {"step": step, "local shapes": local, "meshes": meshes, "model": full if master else None}
 
 
 def export(model, args, master: bool):

@@ -30,7 +30,19 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--limit-windows", type=int, help="train on the first N windows only (short epochs)")
     p.add_argument("--workers", type=int, default=1, help="DataLoader worker processes per rank")
     p.add_argument("--tp", type=int, default=1, help="tensor-parallel ranks per model replica (a 2-D mesh)")
-    p.add_argument("--precision", choices=("auto", "fp32", "bf16"), default="auto", help="auto: bf16 on GPUs only")
+    p.add_argument(
+        "--precision",
+        choices=("auto", "fp32", "bf16", "fp16"),
+        default="auto",
+        help="auto: the GPU profile decides (bf16 on bf16 tensor cores, else fp16 with a loss scaler); fp32 on a CPU",
+    )
+    p.add_argument(
+        "--max-norm", type=float, default=1.0, help="clip the gradients' total 2-norm to this (0: no clipping)"
+    )
+    p.add_argument(
+        "--warmup", type=int, default=5, help="steps of linear learning-rate warm-up, then cosine to --steps"
+    )
+    p.add_argument("--weight-decay", type=float, default=0.1, help="AdamW's decay, on the linear layers' weights only")
     p.add_argument("--activation-checkpointing", action="store_true", help="recompute each block in backward")
     p.add_argument(
         "--deterministic",
@@ -43,6 +55,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--ckpt-dir", type=pathlib.Path, help="save here every --save-every steps; resume from it")
     p.add_argument("--save-every", type=int, default=10)
     p.add_argument("--sync-save", action="store_true", help="wait for each checkpoint (default: async_save)")
+    p.add_argument(
+        "--background-staging", action="store_true", help="async_save copies to CPU memory in the background too"
+    )
     p.add_argument("--out", type=pathlib.Path, help="rank 0 writes metrics.jsonl, final.pt and sample.txt here")
     p.add_argument("--sample-bytes", type=int, default=160)
     p.add_argument("--prompt", default="Distributed training ")
@@ -53,4 +68,6 @@ def parse_args(argv=None) -> argparse.Namespace:
     for name in ("seq_len", "batch_size", "steps", "tp", "save_every", "log_every", "eval_every"):
         if getattr(args, name) < 1:
             p.error(f"--{name.replace('_', '-')} must be at least 1")
+    if args.warmup < 0 or args.max_norm < 0 or args.weight_decay < 0:
+        p.error("--warmup, --max-norm and --weight-decay cannot be negative")
     return args

@@ -99,8 +99,44 @@ def step_samples(dataset: Windows, dp_size: int, batch_size: int, step: int, see
     return shares
 
 
+class StatefulLoader:
+    """A ``DataLoader`` that knows where it stands: its position is a checkpoint entry.
+
+    torchdata's ``StatefulDataLoader`` in small (chapter 05's ``ResumableSampler`` pattern):
+    ``state_dict()`` is the epoch and how many samples of it the whole job (every
+    data-parallel rank) has trained on; ``load_state_dict`` points the sampler there, and the
+    next ``iter`` yields the rest of that epoch, then the loader moves to the next epoch. The
+    position counts global samples, so a checkpoint resumes at another data-parallel size:
+    each rank skips its share of them.
+    """
+
+    def __init__(self, loader: DataLoader, sampler: ResumableSampler, batch_size: int, dp_size: int):
+        self.loader, self.sampler, self.batch_size, self.dp_size = loader, sampler, batch_size, dp_size
+        self.epoch, self.batches = 0, 0
+
+    def state_dict(self) -> dict:
+        return {"epoch": self.epoch, "samples": self.batches * self.batch_size * self.dp_size}
+
+    def load_state_dict(self, state: dict) -> None:
+        global_batch = self.batch_size * self.dp_size
+        if state["samples"] % global_batch:
+            raise ValueError(
+                f"the checkpoint's loader stands at sample {state['samples']} of its epoch, not a multiple of "
+                f"this run's global batch ({global_batch}): resume with the global batch that wrote it"
+            )
+        self.epoch, self.batches = int(state["epoch"]), int(state["samples"]) // global_batch
+
+    def __iter__(self):
+        self.sampler.set_epoch(self.epoch)  # the epoch's shuffled order ...
+        self.sampler.skip = self.batches * self.batch_size  # ... minus what this rank has trained on
+        for batch in self.loader:
+            self.batches += 1
+            yield batch
+        self.epoch, self.batches = self.epoch + 1, 0
+
+
 def make_loader(args, dataset: Windows, dp_size: int, dp_rank: int, device: torch.device):
-    """The training windows for this rank: (sampler, DataLoader, steps per epoch)."""
+    """The training windows for this rank: (sampler, its stateful loader, steps per epoch)."""
     # Every rank of one tp group reads the same samples: the sampler shards over "dp" only.
     sampler = ResumableSampler(
         dataset, num_replicas=dp_size, rank=dp_rank, shuffle=True, seed=args.seed, drop_last=True
@@ -117,4 +153,4 @@ def make_loader(args, dataset: Windows, dp_size: int, dp_rank: int, device: torc
         persistent_workers=args.workers > 0,  # the workers outlive an epoch: no restart cost each epoch
         pin_memory=device.type == "cuda",  # page-locked buffers: the copy to the GPU can be asynchronous
     )
-    return sampler, loader, per_epoch
+    return sampler, StatefulLoader(loader, sampler, args.batch_size, dp_size), per_epoch

@@ -13,6 +13,7 @@ import torch
 import torch.distributed as dist
 
 from ..common.models import gpt
+from ..runtime import gpus
 from ..tensor_parallel import tp_plan
 from .config import VOCAB
 
@@ -34,7 +35,9 @@ def build_model(args, device: torch.device, world_size: int):
     # torchtitan's order: tensor parallelism on the plain modules (the plan names them), then
     # activation checkpointing around each block, then FSDP2 around the checkpointed blocks.
     if args.tp > 1:
-        parallelize_module(model, mesh["tp"], tp_plan(model))
+        # sequence parallelism: the norms too run on the (dp, tp) mesh, on their share of tokens,
+        # so every parameter lives on one mesh and clipping sees one set of gradients
+        parallelize_module(model, mesh["tp"], tp_plan(model, sequence_parallel=True))
     if args.activation_checkpointing:
         model = checkpoint_blocks(model)
     for block in model.layers:
@@ -53,10 +56,22 @@ def checkpoint_blocks(model):
     return model
 
 
+def profile_of(device: torch.device):
+    """The GPU profile of ``device`` (``runtime.gpus``), None on a CPU; asks CUDA only on a GPU."""
+    return gpus.current(device) if device.type == "cuda" else None
+
+
+def choose_precision(requested: str, profile) -> str:
+    """``--precision auto``: what the device's profile says it computes fast
+    (``gpus.training_precision``): bf16 with bf16 tensor cores (sm >= 80), fp16 with a gradient
+    scaler on a GPU without them (T4, V100: they can store bf16, by emulation, but not multiply
+    it fast), fp32 on a CPU, where conversions to and from 16 bits often cost more than they save."""
+    return gpus.training_precision(profile) if requested == "auto" else requested
+
+
 def autocast(device: torch.device, precision: str):
-    """bf16 autocast where it pays: on GPUs, whose matrix units run bf16 faster than fp32. On a
-    CPU the conversions to and from bf16 often cost more than they save (chapter 12, part 2,
-    measures the ratio on the machine it runs on)."""
-    if precision == "auto":
-        precision = "bf16" if device.type == "cuda" and torch.cuda.is_bf16_supported() else "fp32"
-    return torch.autocast(device.type, dtype=torch.bfloat16, enabled=precision == "bf16"), precision
+    """The autocast context for ``precision`` ("auto" is decided from the device's profile),
+    and the precision decided."""
+    precision = choose_precision(precision, profile_of(device))
+    dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(precision, torch.float32)
+    return torch.autocast(device.type, dtype=dtype, enabled=precision != "fp32"), precision

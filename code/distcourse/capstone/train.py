@@ -21,12 +21,23 @@ from ..common.distributed import check_launcher_env, choose_device, init_distrib
 from ..common.timing import clock
 from ..runtime.hardware import rank_device
 from ..runtime.i18n import number, tr
-from .checkpointing import export, latest_complete, load_state, loaded_model, save
+from .checkpointing import agreed_checkpoint, background_stager, export, load_state, loaded_model, save
 from .config import parse_args
-from .data import Windows, corpus_text, make_loader, split_corpus, start_at
-from .metrics import announce, flush, tag, write
+from .data import Windows, corpus_text, make_loader, split_corpus
+from .metrics import (
+    CURVES,
+    announce,
+    flops_per_token,
+    flush,
+    mfu_sentence,
+    model_flops_utilization,
+    peak_of,
+    tag,
+    write,
+)
 from .model import generate, loss_of
-from .parallelize import autocast, build_model
+from .optim import build_optimizer, clip, grad_scaler
+from .parallelize import autocast, build_model, profile_of
 
 
 def main(argv=None) -> dict:
@@ -68,26 +79,32 @@ def setup(args, rank: int, world_size: int, device: torch.device, attempt: int) 
     """Model, optimizer, data and the step to start from (after a resume): built once, before the loop."""
     train_bytes, held_bytes = split_corpus(corpus_text(args.corpus), args.held_out)
     model, dp_size, dp_rank = build_model(args, device, world_size)
-    optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr)
+    optimizer, scheduler = build_optimizer(model, args)
     amp, precision = autocast(device, args.precision)
     # Checkpoints go through a gloo group of their own: on GPUs that keeps the background
     # save's collectives off NCCL, whose order on the training stream must not interleave.
     ckpt_group = dist.new_group(backend="gloo") if dist.is_initialized() else None
     if ckpt_group is None:  # DCP warns that it saves without a process group: one process is what we mean
         warnings.filterwarnings("ignore", message="torch.distributed is disabled", category=UserWarning)
-
-    start, resumed_from, incomplete = latest_complete(args.ckpt_dir)
-    if resumed_from is not None:
-        load_state(resumed_from, model, optimizer, ckpt_group)
     sampler, loader, per_epoch = make_loader(
         args, Windows(train_bytes, args.seq_len, args.limit_windows), dp_size, dp_rank, device
     )
+    scaler = grad_scaler(device, precision)
+    # Everything a resume needs besides model and optimizer, each with state_dict/load_state_dict.
+    extra = {"scheduler": scheduler, "loader": loader} | ({"scaler": scaler} if precision == "fp16" else {})
+    start, resumed_from, incomplete = agreed_checkpoint(args.ckpt_dir, ckpt_group)  # rank 0 decides
+    if resumed_from is not None:
+        load_state(resumed_from, model, optimizer, ckpt_group, extra)
     job = SimpleNamespace(
         model=model,
         optimizer=optimizer,
+        scheduler=scheduler,
+        scaler=scaler,
+        extra=extra,
         amp=amp,
         precision=precision,
         ckpt_group=ckpt_group,
+        stager=background_stager(device) if args.background_staging else None,
         device=device,
         dp_size=dp_size,
         dp_rank=dp_rank,
@@ -107,18 +124,28 @@ def setup(args, rank: int, world_size: int, device: torch.device, attempt: int) 
     return job
 
 
-def train_step(model, optimizer, amp, inputs, targets) -> torch.Tensor:
-    """Forward, backward, optimizer step (torchtitan's ``train_step``); returns the local loss.
+def train_step(job, run, args, inputs, targets) -> torch.Tensor:
+    """Forward, backward, clipping, optimizer and schedule step (torchtitan's ``train_step``).
 
-    The loss stays a tensor on the device: no ``.item()`` here, which on a GPU would wait for
-    every step to finish. ``flush`` reads many steps' losses at once.
+    Returns the local loss and the gradient norm before clipping, as one tensor on the device:
+    no ``.item()`` here, which on a GPU would wait for every step to finish. ``flush`` reads
+    many steps' values at once. With fp16 the scaler multiplies the loss before backward and
+    divides the gradients back (``unscale_``) before they are clipped; with bf16 and fp32 its
+    calls do nothing.
     """
-    with amp:
-        loss = loss_of(model, inputs, targets)
-    optimizer.zero_grad(set_to_none=True)
-    loss.backward()
-    optimizer.step()
-    return loss.detach()
+    with job.amp:
+        loss = loss_of(job.model, inputs, targets)
+    job.optimizer.zero_grad(set_to_none=True)
+    job.scaler.scale(loss).backward()
+    job.scaler.unscale_(job.optimizer)
+    norm = clip(job.model, args.max_norm)
+    if run.staging is not None:  # background staging still copying the parameters this step changes
+        run.staging.result()
+        run.staging = None
+    job.scaler.step(job.optimizer)  # skipped, with fp16, if a gradient overflowed
+    job.scaler.update()
+    job.scheduler.step()
+    return torch.stack([loss.detach().float(), norm.detach().float()])
 
 
 def train(args, rank: int, world_size: int, device: torch.device) -> dict:
@@ -127,11 +154,12 @@ def train(args, rank: int, world_size: int, device: torch.device) -> dict:
     job = setup(args, rank, world_size, device, attempt)
     show = {"auto": None, "on": False, "off": True}[args.progress]  # tqdm: None = only on a terminal
     bar = tqdm(total=args.steps, initial=job.start, unit=tr("step"), disable=show if job.master else True)
-    run = SimpleNamespace(pending=[], saving=None, saves=[], step=job.start, timed=None, curve={}, held={})
+    curves = {"loss": {}, "grad norm": {}, "lr": {}}
+    run = SimpleNamespace(pending=[], saving=None, staging=None, saves=[], step=job.start, timed=None, curves=curves)
+    run.held = {}
     job.model.train()
     while run.step < args.steps:
-        start_at(job.sampler, run.step, job.per_epoch, args.batch_size)  # the epoch's order; mid-epoch after a resume
-        for inputs, targets in job.loader:
+        for inputs, targets in job.loader:  # the rest of the loader's epoch: mid-epoch after a resume
             if run.step == args.kill_at and attempt == 0 and rank == world_size - 1:
                 say(rank, tr("killed at step {step}").format(step=run.step))
                 tag(rank, "kill", {"step": run.step})
@@ -139,7 +167,8 @@ def train(args, rank: int, world_size: int, device: torch.device) -> dict:
             if run.step == job.start + 2:
                 run.timed = (clock(device), run.step)  # throughput from the third step: no warm-up
             inputs, targets = inputs.to(device, non_blocking=True), targets.to(device, non_blocking=True)
-            run.pending.append((run.step, train_step(job.model, job.optimizer, job.amp, inputs, targets)))
+            lr = job.scheduler.get_last_lr()[0]
+            run.pending.append((run.step, train_step(job, run, args, inputs, targets), lr))
             run.step += 1
             bar.update()
             after_step(job, run, args, bar)
@@ -152,7 +181,7 @@ def after_step(job, run, args, bar) -> None:
     """Log the losses, evaluate on held-out text and checkpoint, each when its interval has come."""
     step, out = run.step, args.out if job.master else None
     if step % args.log_every == 0 or step == args.steps:
-        logged = flush(run.pending, out, job.attempt, run.curve)
+        logged = flush(run.pending, out, job.attempt, run.curves)
         bar.set_postfix({tr("loss"): number(logged, 3)}, refresh=False)
         if job.master:
             say(job.rank, tr("step {step}: loss {loss}").format(step=step, loss=number(logged, 4)))
@@ -162,7 +191,7 @@ def after_step(job, run, args, bar) -> None:
             say(job.rank, tr("step {step}: held-out loss {loss}").format(step=step, loss=number(held, 4)))
             write(args.out, {"step": step, "held-out": held, "attempt": job.attempt})
     if args.ckpt_dir and step % args.save_every == 0:
-        flush(run.pending, out, job.attempt, run.curve)
+        flush(run.pending, out, job.attempt, run.curves)
         run.saving = save(args, job, run)
 
 
@@ -172,7 +201,10 @@ def finish(job, run, args, bar, world_size: int) -> dict:
     bar.close()
     if run.saving is not None:
         run.saving.result()  # the last asynchronous save must finish before the process ends
+    if job.stager is not None:
+        job.stager.close()  # a stager we made is ours to close (async_save's docstring)
     tokens_per_step = job.dp_size * args.batch_size * args.seq_len
+    speed = (run.step - run.timed[1]) * tokens_per_step / seconds if run.timed else None
     result = {
         "world size": world_size,
         "dp": job.dp_size,
@@ -182,8 +214,11 @@ def finish(job, run, args, bar, world_size: int) -> dict:
         "resumed from": job.start,
         "steps per epoch": job.per_epoch,
         "saves": run.saves,
-        "tokens per second": (run.step - run.timed[1]) * tokens_per_step / seconds if run.timed else None,
-        "loss": run.curve,
+        "tokens per second": speed,
+        "mfu": utilization(job, args, speed, world_size),
+        "loss": run.curves["loss"],
+        "grad norm": run.curves["grad norm"],
+        "lr": run.curves["lr"],
         "held-out": run.held,
     }
     final = export(job.model, args, job.master)
@@ -192,8 +227,20 @@ def finish(job, run, args, bar, world_size: int) -> dict:
         result["sample"] = text
         if args.out:
             (args.out / "sample.txt").write_text(text, encoding="utf-8")
-        tag(job.rank, "result", {k: v for k, v in result.items() if k not in ("loss", "held-out")})
+        tag(job.rank, "result", {k: v for k, v in result.items() if k not in (*CURVES, "held-out")})
     return result
+
+
+def utilization(job, args, speed: float | None, world_size: int) -> float | None:
+    """MFU from the measured tokens per second and the device's peak (its profile); rank 0 says
+    it, or that a CPU has no profile to compare with. None without a peak."""
+    params = sum(p.numel() for p in job.model.parameters())  # whole tensors' sizes, also of DTensor shards
+    flops = flops_per_token(params, args.layers, args.hidden, args.seq_len)
+    peak = peak_of(profile_of(job.device), job.precision)
+    mfu = model_flops_utilization(speed, flops, world_size, peak)
+    if job.master:
+        say(job.rank, mfu_sentence(mfu, peak, job.device, job.precision))
+    return mfu
 
 
 @torch.no_grad()
