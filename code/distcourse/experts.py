@@ -16,7 +16,6 @@ Rank functions live here, not in the notebook, because rank processes import the
 from __future__ import annotations
 
 import math
-import time
 
 import torch
 import torch.distributed as dist
@@ -25,6 +24,7 @@ from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from .common.sharded import full
+from .common.timing import clock
 from .runtime.hardware import rank_device
 
 SIZES = dict(inputs=12, hidden=16, ffn=32, experts=8, top_k=2, classes=5)
@@ -334,13 +334,11 @@ def _imbalance_run(model, x, bias: float, factor, repeats: int) -> dict:
         dist.all_reduce(total)  # tokens each expert receives from all ranks
         recorder = AllToAllBytes()
         dist.barrier()
-        started = time.perf_counter()
+        started = clock(x.device)
         with recorder:
             for _ in range(repeats):
                 dispatch_combine(h, r, model.w1, model.w2)
-            if x.is_cuda:
-                torch.cuda.synchronize()  # kernels run asynchronously: wait before reading the clock
-        seconds = (time.perf_counter() - started) / repeats
+        seconds = (clock(x.device) - started) / repeats  # clock() waits for the queued kernels
     local = SIZES["experts"] // world
     mine = slice(dist.get_rank() * local, (dist.get_rank() + 1) * local)
     return {

@@ -22,7 +22,6 @@ Rank functions live here, not in the notebook, because rank processes import the
 
 from __future__ import annotations
 
-import time
 import warnings
 
 import torch
@@ -39,6 +38,7 @@ from torch.distributed.pipelining import (
 
 from .common.models import gpt
 from .common.sharded import full
+from .common.timing import clock
 from .meshes import CommVolume
 from .runtime.hardware import rank_device
 from .runtime.i18n import tr
@@ -145,10 +145,10 @@ def _record(stage: PipelineStage, events: list, t0: list, collectives=lambda: No
     s = stage.stage_index
     forward, backward, weight = stage.forward_one_chunk, stage.backward_one_chunk, stage.backward_weight_one_chunk
 
-    def timed(kind, fn, i, *args, **kwargs):
-        start = time.perf_counter() - t0[0]
+    def timed(kind, fn, i, *args, **kwargs):  # on a GPU, clock() waits for the stage's queued kernels
+        start = clock(stage.device) - t0[0]
         out = fn(i, *args, **kwargs)
-        events.append((kind, s, i, start, time.perf_counter() - t0[0], collectives()))
+        events.append((kind, s, i, start, clock(stage.device) - t0[0], collectives()))
         return out
 
     def backward_one_chunk(i, *args, full_backward=True, **kwargs):
@@ -215,7 +215,7 @@ def run_schedule(name: str, n_micro: int, group=None) -> dict:
             module.zero_grad(set_to_none=True)
         events.clear()
         dist.barrier(group)
-        t0[0] = time.perf_counter()
+        t0[0] = clock(rank_device())
         losses = _step(runner, stages, n_stages, inputs, targets)
     grads = {n: p.grad.cpu() for m in modules for n, p in m.named_parameters()}
     return {"stages": indices, "events": list(events), "losses": losses, "grads": grads}
@@ -419,7 +419,7 @@ def _fsdp_step(mesh, reshard_after_forward: bool, n_micro: int) -> tuple[nn.Modu
     stages = _build([module], [pp], mesh.size(1), BATCH // rows // n_micro, mesh["pp"].get_group())
     runner = Schedule1F1B(stages[0], n_microbatches=n_micro, loss_fn=lm_loss)
     inputs, targets = (t.tensor_split(rows)[dp] for t in tokens())
-    recorder, events, t0 = CommVolume(), [], [time.perf_counter()]
+    recorder, events, t0 = CommVolume(), [], [clock(rank_device())]
     dp_group = mesh["dp"].get_group().group_name
     counts = lambda: {k: _count(recorder, k, dp_group) for k in ("all-gather", "reduce-scatter")}  # noqa: E731
     _record(stages[0], events, t0, counts)
