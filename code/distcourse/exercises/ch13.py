@@ -81,7 +81,7 @@ def check_clip_scale(clip_scale) -> bool:
     return verdict(problems, tr("Correct: every stage scales by the same factor, from the norm of the whole model."))
 
 
-# Experts and layouts (``13-experts-and-layouts``):
+# Experts and layouts (``13-routed-experts-and-layouts``):
 #
 # * ``check_switch_aux_loss``: the load-balancing loss of a group from its router probabilities and
 #   chosen experts, compared with ``experts.aux_loss`` on even, random and collapsed routings;
