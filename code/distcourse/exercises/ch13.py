@@ -97,7 +97,8 @@ def _routings():
     even[torch.arange(32), torch.arange(32) % 8] = 4.0  # each expert first choice of 4 tokens
     collapsed = torch.randn(32, 8, generator=g)
     collapsed[:, 0] += 20.0
-    return [("even first choices", even), ("random", torch.randn(32, 8, generator=g) * 2), ("collapsed", collapsed)]
+    rand = torch.randn(32, 8, generator=g) * 2
+    return [(tr("even"), even), (tr("random"), rand), (tr("collapsed"), collapsed)]
 
 
 def check_switch_aux_loss(switch_aux_loss) -> bool:
