@@ -432,6 +432,16 @@ def _count(recorder: CommVolume, kind: str, group_name: str) -> int:
     return sum(1 for r in recorder.records if r["kind"] == kind and r["group"] == group_name)
 
 
+def one_f_one_b_order(stage: int, p: int, m: int) -> list[tuple]:
+    """Stage ``stage``'s 1F1B order as ("F"/"B", stage, micro-batch): p - stage - 1 forwards to
+    warm up, then one forward and one backward in turn, then the remaining backwards."""
+    warm = min(m, p - stage - 1)
+    order = [("F", stage, i) for i in range(warm)]
+    for j in range(m - warm):
+        order += [("F", stage, warm + j), ("B", stage, j)]
+    return order + [("B", stage, i) for i in range(m - warm, m)]
+
+
 def predicted_all_gathers(order: list[tuple], reshard_after_forward: bool) -> int:
     """All-gathers of one FSDP2 unit in a stage that runs ``order`` (kinds "F" and "B").
 

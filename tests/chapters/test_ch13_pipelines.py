@@ -20,14 +20,6 @@ def _gpipe(p: int, m: int) -> list[list[tuple]]:
     return [[(kind, s, i) for kind, i in model_parallel.gpipe_order(s, p, m)] for s in range(p)]
 
 
-def _one_f_one_b(s: int, p: int, m: int) -> list[tuple]:
-    warm = min(m, p - s - 1)
-    order = [("F", s, i) for i in range(warm)]
-    for j in range(m - warm):
-        order += [("F", s, warm + j), ("B", s, j)]
-    return order + [("B", s, i) for i in range(m - warm, m)]
-
-
 def test_bubble_formula():
     assert ps.predicted_bubble(2, 4) == pytest.approx(1 / 5)
     assert ps.predicted_bubble(4, 8) == pytest.approx(3 / 11)
@@ -41,7 +33,7 @@ def test_bubble_formula():
 
 @pytest.mark.parametrize("p,m", [(2, 4), (3, 6), (4, 8)])
 def test_simulated_gpipe_and_1f1b_have_the_formulas_bubble(p, m):
-    for orders in (_gpipe(p, m), [_one_f_one_b(s, p, m) for s in range(p)]):
+    for orders in (_gpipe(p, m), [ps.one_f_one_b_order(s, p, m) for s in range(p)]):
         assert ps.bubble(ps.simulate(orders)) == pytest.approx([ps.predicted_bubble(p, m)] * p)
 
 
@@ -54,15 +46,15 @@ def test_simulate_refuses_orders_that_wait_on_each_other():
 def test_peak_live_counts_held_micro_batches():
     p, m = 4, 8
     assert [ps.peak_live(o) for o in _gpipe(p, m)] == [{s: m} for s in range(p)]
-    assert [ps.peak_live(_one_f_one_b(s, p, m)) for s in range(p)] == [{s: p - s} for s in range(p)]
+    assert [ps.peak_live(ps.one_f_one_b_order(s, p, m)) for s in range(p)] == [{s: p - s} for s in range(p)]
     split = [("F", 1, 0), ("F", 1, 1), ("I", 1, 0), ("I", 1, 1), ("W", 1, 0), ("W", 1, 1)]
     assert ps.peak_live(split) == {1: 2}  # an I frees nothing: W still needs the inputs
     assert ps.peak_held([("F", 0, 0), ("F", 2, 0), ("B", 2, 0), ("B", 0, 0)], v=2) == 1.0
 
 
 def test_all_gathers_of_an_fsdp_unit_in_a_pipeline():
-    stage0 = _one_f_one_b(0, 2, 4)
-    stage1 = _one_f_one_b(1, 2, 4)
+    stage0 = ps.one_f_one_b_order(0, 2, 4)
+    stage1 = ps.one_f_one_b_order(1, 2, 4)
     assert [ps.predicted_all_gathers(o, True) for o in (stage0, stage1)] == [5, 5]
     assert [ps.predicted_all_gathers(o, False) for o in (stage0, stage1)] == [1, 1]
     assert ps.predicted_all_gathers(_gpipe(2, 4)[0], True) == 4 + 1  # every forward, then the first backward

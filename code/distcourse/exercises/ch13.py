@@ -15,17 +15,9 @@ from __future__ import annotations
 import math
 
 from ..model_parallel import gpipe_order
-from ..pipeline_schedules import predicted_all_gathers
+from ..pipeline_schedules import one_f_one_b_order, predicted_all_gathers
 from ..runtime.i18n import tr
 from . import verdict
-
-
-def _one_f_one_b(s: int, p: int, m: int) -> list[tuple]:
-    warm = min(m, p - s - 1)
-    order = [("F", s, i) for i in range(warm)]
-    for j in range(m - warm):
-        order += [("F", s, warm + j), ("B", s, j)]
-    return order + [("B", s, i) for i in range(m - warm, m)]
 
 
 def _orders() -> list[tuple[str, list[tuple]]]:
@@ -34,7 +26,7 @@ def _orders() -> list[tuple[str, list[tuple]]]:
         for m in (p, 8):
             for s in range(p):
                 cases.append((f"GPipe p={p} m={m} stage {s}", [(k, s, i) for k, i in gpipe_order(s, p, m)]))
-                cases.append((f"1F1B p={p} m={m} stage {s}", _one_f_one_b(s, p, m)))
+                cases.append((f"1F1B p={p} m={m} stage {s}", one_f_one_b_order(s, p, m)))
     return cases
 
 
