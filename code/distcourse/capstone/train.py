@@ -161,6 +161,8 @@ def train(args, rank: int, world_size: int, device: torch.device) -> dict:
     while run.step < args.steps:
         for inputs, targets in job.loader:  # the rest of the loader's epoch: mid-epoch after a resume
             if run.step == args.kill_at and attempt == 0 and rank == world_size - 1:
+                if run.saving is not None:  # the saves already begun finish first, so the resume
+                    run.saving.result()  # point is known; a kill mid-save is a stress scenario
                 say(rank, tr("killed at step {step}").format(step=run.step))
                 tag(rank, "kill", {"step": run.step})
                 os.kill(os.getpid(), signal.SIGKILL)  # no cleanup, no flush: a lost node
