@@ -66,7 +66,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument(
         "--kill-at",
         type=int,
-        help="on the first attempt, the last rank is killed (SIGKILL) at this step, once the saves already begun are complete",
+        help="on the first attempt, the last rank is killed (SIGKILL) at this step, "
+        "once the saves already begun are complete",
     )
     args = p.parse_args(argv)
     for name in ("seq_len", "batch_size", "steps", "tp", "save_every", "log_every", "eval_every"):
