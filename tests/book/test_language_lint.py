@@ -157,6 +157,10 @@ def test_english_words_skip_identifiers_units_and_fields():
         ("zh-TW", "Reduce-scatter 環節", "Reduce-scatter 階段"),
         ("zh-TW", "乾淨地失敗", "明確地報錯"),
         ("pt-BR", 'cada coluna "after" da tabela', 'cada coluna "depois" da tabela'),
+        ("ko", "랭크마다 자기 디바이스를 씁니다", "랭크마다 디바이스가 따로 있습니다"),
+        ("ko", "각 랭크가 자기만의 드롭아웃 마스크를", "자기회귀 모델에서 각 랭크가 자신의 드롭아웃 마스크를"),
+        ("ko", "`dist.recv`가 오류를 던집니다", "`dist.recv`가 오류를 일으킵니다"),
+        ("ko", "`DataLoader`가 예외를 발생합니다", "`DataLoader`에서 예외가 발생합니다"),
     ],
 )
 def test_terms_catch_the_reviewers_splits(lang, bad, good):
@@ -176,6 +180,15 @@ def test_terms_respect_where_an_entry_applies():
     # ru: the code-comment conventions apply to comments only.
     assert term_findings("ru", "Ваш код: верните эпоху", kind="comments")
     assert term_findings("ru", "Ваш код здесь: верните эпоху", kind="comments") == []
+
+
+def test_terms_pending_entries_hide_only_that_finding(monkeypatch):
+    path = "chapters/ko/99-test.ipynb"
+    text = "각 랭크가 자기 샤드를 쓰고 자기 디바이스로 불러옵니다"
+    assert len(term_findings("ko", text, path=path)) == 2
+    monkeypatch.setattr(lint, "pending_terms", lambda: frozenset({f"{path}:cell 2: 자기"}))
+    assert term_findings("ko", text, path=path) == []  # the same text in the same cell: one pending line
+    assert term_findings("ko", text, path="chapters/ko/98-other.ipynb")
 
 
 def test_every_term_entry_is_complete_and_passes_its_own_preferred_form():
@@ -229,6 +242,8 @@ def test_terms_read_markdown_comments_and_catalogs(tmp_path):
         ("pt-BR", "O primeiro passo leva 1.5 s.", "O primeiro passo leva 1,5 s."),
         ("pt-BR", "estoura em 65504 e sofre underflow", "estoura em 65.504 e sofre underflow"),
         ("pt-BR", "cerca de 0.5 do tempo", "cerca de 0,5 do tempo"),
+        ("ko", "CUDA 이벤트\n(`cuda.Event`)는 멈춥니다.", "CUDA\n이벤트(`cuda.Event`)는 멈춥니다."),
+        ("ko", "워커\n(worker) 4개", "워커(worker) 4개"),
     ],
 )
 def test_typography_catches_each_languages_conventions(lang, bad, good):
@@ -250,6 +265,10 @@ def test_typography_catches_each_languages_conventions(lang, bad, good):
         ("pt-BR", "um modelo de 130.000 parâmetros (Dean et al., 2012), porta 29500"),  # grouped, year, port
         ("pt-BR", "camadas de 1024 × 1024 e `0.5` em código"),  # a dimension, code
         ("ko", "**분산 autograd**는 RPC를 넘나들며"),  # the particle after plain bold text closes fine
+        ("ko", "Megatron-LM은\n(가장 빠르게 바뀌는 축부터) `tp-cp` 순서로 둡니다."),  # an aside may start a line
+        ("ko", "밀집 가중치는 dp에 걸쳐, 전문가는\n(edp, tp)에 걸쳐 샤딩합니다."),  # a tuple, not a gloss
+        ("ko", "interleaved에서\n(p − 1)/(v m + p − 1)이며"),  # math
+        ("ko", "CUDA 이벤트 (`torch.cuda.Event`)는"),  # a space on the same line is the author's choice
     ],
 )
 def test_typography_passes_what_is_not_prose_or_is_right(lang, good):
