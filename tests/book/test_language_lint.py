@@ -161,6 +161,10 @@ def test_english_words_skip_identifiers_units_and_fields():
         ("ko", "각 랭크가 자기만의 드롭아웃 마스크를", "자기회귀 모델에서 각 랭크가 자신의 드롭아웃 마스크를"),
         ("ko", "`dist.recv`가 오류를 던집니다", "`dist.recv`가 오류를 일으킵니다"),
         ("ko", "`DataLoader`가 예외를 발생합니다", "`DataLoader`에서 예외가 발생합니다"),
+        ("pt-BR", 'a redução do FSDP sobre "dp" calcula', 'a redução do FSDP na dimensão "dp" calcula'),
+        ("pt-BR", "a média sobre o eixo tp", "a média ao longo do eixo tp, um passo sobre o lote inteiro"),
+        ("pt-BR", "O `PipelineStage` conhece o DDP", "O `PipelineStage` sabe lidar com o DDP e conhece o índice"),
+        ("pt-BR", "## 4. Falhas sob o torchrun", "## 4. Falhas com o torchrun"),
     ],
 )
 def test_terms_catch_the_reviewers_splits(lang, bad, good):
