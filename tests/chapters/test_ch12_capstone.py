@@ -12,6 +12,7 @@ import torch.distributed.checkpoint as dcp
 from torch import nn
 
 import distcourse
+import rank_workers
 from distcourse import capstone, launchers, parameter_server, sharding
 from distcourse.capstone import checkpointing, metrics, optim, parallelize
 from distcourse.common import numerics, subprocesses
@@ -382,6 +383,20 @@ def test_torchrun_kill_and_restart_resumes_exactly(tmp_path):
     assert killed.json(0, "resume") == {"step": 3, "checkpoint": "step-000003", "ignored": []}
     assert capstone.read_metrics(tmp_path / "a") == capstone.read_metrics(tmp_path / "b")
     assert plain.json(0, "result")["sample"] == killed.json(0, "result")["sample"]
+
+
+def test_every_rank_resumes_from_the_checkpoint_rank_0_sees(tmp_path):
+    # Rank 1's folder shows a newer complete checkpoint than rank 0's (as a node with stale
+    # attribute caches can): both resume from rank 0's, and nobody loads a step the other skips.
+    roots = [tmp_path / "rank0", tmp_path / "rank1"]
+    for root, steps in zip(roots, ([4], [4, 8])):
+        for step in steps:
+            checkpointing.checkpoint_dir(root, step).mkdir(parents=True)
+            (checkpointing.checkpoint_dir(root, step) / ".metadata").write_bytes(b"")
+    checkpointing.checkpoint_dir(roots[0], 6).mkdir()  # started, never finished: no .metadata
+    seen = distcourse.launch(rank_workers.resume_point_seen, 2, args=([str(r) for r in roots],), quiet=True)
+    assert checkpointing.latest_complete(roots[1])[0] == 8  # alone, rank 1 would have chosen step 8
+    assert seen == [(4, str(roots[0] / "step-000004"), ["step-000006"])] * 2
 
 
 def test_slurm_script_runs_the_module_it_is_given():

@@ -232,3 +232,13 @@ def says_in_the_notebooks_language():
 
     print(i18n.tr("Not yet:"), i18n.number(1234.5))
     return i18n.language()
+
+
+def resume_point_seen(roots):
+    """Each rank looks for the newest complete checkpoint in its own folder (``roots[rank]``),
+    as ranks of different nodes can see a shared folder differently; returns what
+    ``agreed_checkpoint`` tells this rank."""
+    from distcourse.capstone.checkpointing import agreed_checkpoint
+
+    step, path, incomplete = agreed_checkpoint(Path(roots[dist.get_rank()]))
+    return step, None if path is None else str(path), incomplete
