@@ -37,7 +37,7 @@ book: $(STAMP) $(NODE_STAMP) ## build the book (executes what changed) into _bui
 test: lint $(NODE_STAMP) ## everything CI runs: lint, numerics, every test and notebook, the book
 	$(MAKE) --no-print-directory numerics
 	bash tools/install_browser.sh
-	STRESS_ATTEMPTS=$${STRESS_ATTEMPTS:-5} TWO_NODE_ATTEMPTS=$${TWO_NODE_ATTEMPTS:-5} $(PY) -m pytest
+	STRESS_ATTEMPTS=$${STRESS_ATTEMPTS:-5} TWO_NODE_ATTEMPTS=$${TWO_NODE_ATTEMPTS:-5} $(PY) -m pytest --durations=15
 
 # Fast tier: unit tests, parity and static checks; no notebook execution, book build,
 # browser, Colab simulation or stress scenarios (those are marked slow or stress).
@@ -53,9 +53,13 @@ lint: $(STAMP) ## ruff check, ruff format --check and the language lint
 # The fast numerical tests (marked numerics) under other CPU kernels, < 1 min each: ATen's portable
 # kernels with MKL's reproducible code path, then ATen's and oneDNN's AVX2 kernels. They add in
 # another order than this CPU's own, so a bound tuned to one machine fails here as on another.
+# Each kernel set gets an Inductor cache of its own: the cache's key does not include
+# ATEN_CPU_CAPABILITY, and C++ generated for this CPU's kernels does not build under another's.
 numerics: $(STAMP) ## the numerical tests under ATen's default and AVX2 kernels
-	ATEN_CPU_CAPABILITY=default MKL_CBWR=COMPATIBLE $(PY) -m pytest tests -m "numerics and not slow" -q
-	ATEN_CPU_CAPABILITY=avx2 ONEDNN_MAX_CPU_ISA=AVX2 $(PY) -m pytest tests -m "numerics and not slow" -q
+	TORCHINDUCTOR_CACHE_DIR=$(CURDIR)/_build/inductor-default ATEN_CPU_CAPABILITY=default MKL_CBWR=COMPATIBLE \
+		$(PY) -m pytest tests -m "numerics and not slow" -q
+	TORCHINDUCTOR_CACHE_DIR=$(CURDIR)/_build/inductor-avx2 ATEN_CPU_CAPABILITY=avx2 ONEDNN_MAX_CPU_ISA=AVX2 \
+		$(PY) -m pytest tests -m "numerics and not slow" -q
 
 bench: $(STAMP) ## launch-time and result-transfer benchmarks
 	$(PY) benchmarks/launch_bench.py
