@@ -165,6 +165,7 @@ def test_english_words_skip_identifiers_units_and_fields():
         ("pt-BR", "a média sobre o eixo tp", "a média ao longo do eixo tp, um passo sobre o lote inteiro"),
         ("pt-BR", "O `PipelineStage` conhece o DDP", "O `PipelineStage` sabe lidar com o DDP e conhece o índice"),
         ("pt-BR", "## 4. Falhas sob o torchrun", "## 4. Falhas com o torchrun"),
+        ("pt-BR", "Sob o FSDP2, cada rank guarda um shard", "Com o FSDP2, cada rank guarda um shard"),
     ],
 )
 def test_terms_catch_the_reviewers_splits(lang, bad, good):
