@@ -166,6 +166,9 @@ def test_english_words_skip_identifiers_units_and_fields():
         ("pt-BR", "O `PipelineStage` conhece o DDP", "O `PipelineStage` sabe lidar com o DDP e conhece o índice"),
         ("pt-BR", "## 4. Falhas sob o torchrun", "## 4. Falhas com o torchrun"),
         ("pt-BR", "Sob o FSDP2, cada rank guarda um shard", "Com o FSDP2, cada rank guarda um shard"),
+        ("zh-CN", "这就是为什么每个 rank 都要调用 set_epoch。", "因此每个 rank 都要调用 set_epoch。为什么？"),
+        ("zh-CN", "这也是为何要设超时。", "所以要设超时。"),
+        ("zh-TW", "這就是為什麼這個儲存格去詢問裝置", "所以這個儲存格直接向裝置查詢"),
     ],
 )
 def test_terms_catch_the_reviewers_splits(lang, bad, good):
