@@ -169,6 +169,7 @@ def test_english_words_skip_identifiers_units_and_fields():
         ("zh-CN", "这就是为什么每个 rank 都要调用 set_epoch。", "因此每个 rank 都要调用 set_epoch。为什么？"),
         ("zh-CN", "这也是为何要设超时。", "所以要设超时。"),
         ("zh-TW", "這就是為什麼這個儲存格去詢問裝置", "所以這個儲存格直接向裝置查詢"),
+        ("ru", "процессы стартуют из ячеек Jupyter-ноутбука", "процессы стартуют из ячеек ноутбука, а ядро Jupyter"),
     ],
 )
 def test_terms_catch_the_reviewers_splits(lang, bad, good):
