@@ -12,6 +12,7 @@ import subprocess
 import sys
 import xml.dom.minidom
 
+import markdown_it
 import nbformat
 import pytest
 import yaml
@@ -101,6 +102,75 @@ def test_glossary_check_catches_a_missing_term():
     assert translations.missing_terms(english, untranslated, "zh-TW", term) == [
         "'distributed training' -> '分散式訓練'"
     ]
+
+
+# ---------------------------------------------------------------- identifiers in translated prose
+
+CODE_LIKE = re.compile(r"[._()\[\]=]")  # `dist.send`, `set_epoch`, `f(x)`, `mesh["dp"]`, `timeout=`
+PLACEHOLDER = re.compile(r"<[^<>]*>")  # `process_group=<its column>`: the words inside are translated
+LINE_REFERENCE = re.compile(r":\d+(?:-\d+)?$")  # pt-BR cites source lines as `stage.py:844-847`
+SETTING = re.compile(r"([A-Za-z_][\w.]*)(=[^\s=]+)")  # `NCCL_SOCKET_IFNAME=eth0` where English says "both `=eth0`"
+
+
+def code_spans(markdown: str) -> list[str]:
+    """The inline code of a markdown cell as the page shows it: a line break inside a span is a space."""
+    tokens = markdown_it.MarkdownIt("commonmark").parse(markdown)
+    inline = [child for token in tokens if token.type == "inline" for child in token.children or []]
+    return [child.content for child in inline if child.type == "code_inline"]
+
+
+def written_in(span: str, english: str) -> bool:
+    """Whether ``english`` (whitespace collapsed) writes the code of ``span``: verbatim, with any text in
+    a ``<placeholder>``, without a trailing line reference, or a setting ``NAME=value`` in its two parts."""
+    span = LINE_REFERENCE.sub("", " ".join(span.split()))
+    pattern = PLACEHOLDER.pattern.join(re.escape(part) for part in PLACEHOLDER.split(span))
+    if re.search(pattern, english):
+        return True
+    setting = SETTING.fullmatch(span)
+    return bool(setting) and all(part in english for part in setting.groups())
+
+
+def stale_identifiers(english: nbformat.NotebookNode, translated: nbformat.NotebookNode) -> list[str]:
+    """Each code span of a translated markdown cell that its English cell (the same cell id) does not write.
+
+    A span counts when it looks like code (one of ``._()[]=``). A translation may name an identifier
+    that the English cell leaves implicit ("the tour ran all of these": `collectives.tour` ran ...), so
+    a span the English notebook writes in another cell is accepted too: what fails is code the English
+    chapter does not contain at all, as when a function is renamed and a translation keeps the old name.
+    """
+    cells = {cell.get("id"): " ".join(cell.source.split()) for cell in english.cells}
+    whole = "\n".join(cells.values())
+    stale = []
+    for i, cell in enumerate(translated.cells):
+        if cell.cell_type != "markdown":
+            continue
+        for span in code_spans(cell.source):
+            if CODE_LIKE.search(span) and not written_in(span, cells.get(cell.get("id"), "")):
+                if not written_in(span, whole):
+                    stale.append(f"cell {i} (id {cell.get('id')}): `{span}`")
+    return stale
+
+
+@pytest.mark.parametrize("english, lang", PAIRS, ids=PAIR_IDS)
+def test_identifiers_in_translated_prose_are_the_english_ones(english, lang):
+    translated = translations.read(translations.translation_of(english, lang))
+    stale = stale_identifiers(translations.read(english), translated)
+    assert not stale, f"{english.stem} [{lang}]: code the English chapter does not write:\n" + "\n".join(stale)
+
+
+def test_identifier_check_catches_a_stale_name():
+    english = translations.read(ENGLISH[0])
+    i = next(i for i, c in enumerate(english.cells) if c.cell_type == "markdown" and "`" in c.source and i > 1)
+    span = code_spans(english.cells[i].source)[0]
+    translated = copy.deepcopy(english)
+    translated.cells[i].source += "\n\n`distcourse.renamed_helper(x)` и `" + span + "`"
+    assert stale_identifiers(english, translated) == [
+        f"cell {i} (id {english.cells[i].id}): `distcourse.renamed_helper(x)`"
+    ]
+    # a translated placeholder, a line reference, a span broken over two lines, a setting written whole
+    translated.cells[i].source = "`f(group=<своя строка>)` `module.py:10-12` `a.b\nc` `NCCL_X=eth0`"
+    english.cells[i].source = "`f(group=<its row>)` in `module.py` and `a.b c`; set `NCCL_X` (both `=eth0`)"
+    assert stale_identifiers(english, translated) == []
 
 
 @pytest.mark.parametrize("lang", translations.TRANSLATED)
