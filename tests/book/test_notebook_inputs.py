@@ -1,8 +1,10 @@
 """A notebook executes again only when what it reads changed (tools/notebook_inputs.py)."""
 
 import json
+import os
 import subprocess
 import sys
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import notebook_inputs
@@ -53,27 +55,32 @@ def test_relative_imports_and_module_names_in_strings():
     assert {"distcourse.runtime.hardware", "distcourse.common.timing", "distcourse.scripts.crashing_train"} <= names
 
 
+def _modules_loaded_by_imports(nb: Path) -> list[str]:
+    """The distcourse modules that a fresh interpreter has loaded after ``nb``'s distcourse imports."""
+    cells = json.loads(nb.read_text(encoding="utf-8"))["cells"]
+    lines = [
+        line
+        for cell in cells
+        if cell["cell_type"] == "code"
+        for line in "".join(cell["source"]).splitlines()
+        if line.startswith(("import ", "from ")) and "distcourse" in line
+    ]
+    probe = "\n".join(
+        [*lines, "import sys, json", "print(json.dumps(sorted(m for m in sys.modules if m.startswith('distcourse'))))"]
+    )
+    out = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, cwd=nb.parent, timeout=120)
+    assert out.returncode == 0, out.stderr[-2000:]
+    return json.loads(out.stdout.splitlines()[-1])
+
+
 @pytest.mark.slow
 def test_every_module_a_notebooks_imports_load_is_an_input(inputs):
     """Run each English notebook's import statements for real: what they load must be among its inputs."""
-    for nb in sorted((REPO_ROOT / "chapters" / "en").glob("*.ipynb")):
-        cells = json.loads(nb.read_text(encoding="utf-8"))["cells"]
-        lines = [
-            line
-            for cell in cells
-            if cell["cell_type"] == "code"
-            for line in "".join(cell["source"]).splitlines()
-            if line.startswith(("import ", "from ")) and "distcourse" in line
-        ]
-        probe = "\n".join(
-            [
-                *lines,
-                "import sys, json",
-                "print(json.dumps(sorted(m for m in sys.modules if m.startswith('distcourse'))))",
-            ]
-        )
-        out = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, cwd=nb.parent, timeout=120)
-        assert out.returncode == 0, out.stderr[-2000:]
-        index = notebook_inputs.module_index(REPO_ROOT / "code")
-        loaded = {index[m] for m in json.loads(out.stdout.splitlines()[-1]) if m in index}
+    notebooks = sorted((REPO_ROOT / "chapters" / "en").glob("*.ipynb"))
+    # One interpreter per notebook (each starts with nothing imported), as many at once as there are cores.
+    with ThreadPoolExecutor(max_workers=os.cpu_count() or 1) as pool:
+        found = dict(zip(notebooks, pool.map(_modules_loaded_by_imports, notebooks)))
+    index = notebook_inputs.module_index(REPO_ROOT / "code")
+    for nb, modules in found.items():
+        loaded = {index[m] for m in modules if m in index}
         assert loaded <= inputs[nb], (nb.name, sorted(str(p) for p in loaded - inputs[nb]))
