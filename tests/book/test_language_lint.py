@@ -170,6 +170,9 @@ def test_english_words_skip_identifiers_units_and_fields():
         ("zh-CN", "这也是为何要设超时。", "所以要设超时。"),
         ("zh-TW", "這就是為什麼這個儲存格去詢問裝置", "所以這個儲存格直接向裝置查詢"),
         ("ru", "процессы стартуют из ячеек Jupyter-ноутбука", "процессы стартуют из ячеек ноутбука, а ядро Jupyter"),
+        ("ru", "как и скрипт под torchrun", "как и скрипт, запущенный через torchrun"),
+        ("zh-CN", "<summary>练习 1 的答案</summary>", "<summary>练习 1 的参考答案</summary>"),
+        ("zh-TW", "僅限於同一個檔案系統內，這就是第 1 步的原因", "第 1 步正是為此：僅限於同一個檔案系統內"),
     ],
 )
 def test_terms_catch_the_reviewers_splits(lang, bad, good):
