@@ -63,12 +63,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--prompt", default="Distributed training ")
     p.add_argument("--progress", choices=("auto", "on", "off"), default="auto", help="tqdm bar on rank 0")
     p.add_argument("--timeout", type=float, default=60.0, help="process group timeout, seconds")
-    p.add_argument(
-        "--kill-at",
-        type=int,
-        help="on the first attempt, the last rank is killed (SIGKILL) at this step, "
-        "once the saves already begun are complete",
-    )
+    p.add_argument("--kill-at", type=int, help="attempt 0: SIGKILL the last rank at this step, after the saves begun")
     args = p.parse_args(argv)
     for name in ("seq_len", "batch_size", "steps", "tp", "save_every", "log_every", "eval_every"):
         if getattr(args, name) < 1:
