@@ -352,6 +352,8 @@ def apply(english_path: pathlib.Path, lang: str, text: str) -> tuple[pathlib.Pat
         cell = by_id[cell_id]
         if cell.cell_type == "code" and code_without_comments(body) != code_without_comments(cell.source):
             raise ValueError(f"code cell {cell_id}: only comments may change in a code cell")
+        if cell.cell_type == "code" and cell.source.endswith("\n") and not body.endswith("\n"):
+            body += "\n"  # the work file's sections lose their last newline; the code keeps the English one
         cell.source = body
     nb.cells[HEADER].source = title + "\n"
     nb.metadata.setdefault("distcourse", {})["translation"] = {
