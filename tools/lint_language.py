@@ -628,6 +628,11 @@ LINE_BREAK = re.compile(rf"[{HAN}{CJK_PUNCT}]\n[{HAN}{CJK_PUNCT}]")
 # "이벤트 (…)는"; the gloss belongs to the word ("30분(`default_pg_timeout`)이고"). A gloss is what a
 # particle follows, or a parenthesis without Korean; math, a tuple "(edp, tp)" and an aside may start a line.
 KO_GLOSS_BREAK = re.compile(r"[\uac00-\ud7a3]\n\(([^()\n]*)\)(?=([\uac00-\ud7a3])?)")
+# ru: a dash between parts of a sentence has a no-break space before it (style sheet); a table cell "| — |"
+# and a line that starts with the dash are not that.
+RU_DASH = re.compile(r"(?<=[^\s|]) —")
+# zh-TW: a bold run-in label keeps its full stop outside, "**容量**。", as about 90 labels of the book do.
+ZH_TW_LABEL = re.compile(r"\*\*([^*。\n]{1,15})。\*\*")
 KO_NOT_GLOSS = re.compile(rf"[×·+=/−*^<>≤≥∝]|^[^{HANGUL}]*,[^{HANGUL}]*$")
 SPACE_PERCENT = re.compile(r"(?<![\d.,])(\d+(?:[.,]\d+)?)[ \u00a0\u202f]%")
 PT_DECIMAL_UNITS = (
@@ -690,6 +695,9 @@ def check_typography_text(text: Text, lang: str) -> list[Finding]:
             problems.append(f"grouped number {match.group(0)!r}: separate thousands with U+00A0 or U+202F")
         if '"' in body.replace(CODE, "").replace(MATH, ""):
             problems.append(f"straight quotes in {shorten(flatten(body), 60)!r}: write « »")
+        for match in RU_DASH.finditer(body):
+            context = flatten(body[max(0, match.start() - 12) : match.end() + 8])
+            problems.append(f"ordinary space before the dash in {context!r}: write a no-break space (U+00A0)")
     if lang in ("zh-CN", "zh-TW") and text.kind != "comments":
         for match in ZH_HALF.finditer(body):
             context = flatten(body[max(0, match.start() - 8) : match.end() + 8])
@@ -721,6 +729,10 @@ def check_emphasis(path: Path, nb: dict, lang: str) -> list[Finding]:
             for paragraph in unclosed_emphasis(source_of(cell)):
                 message = f"literal ** on the page (emphasis not closed) in {shorten(paragraph, 70)!r}"
                 findings.append(Finding(relative(path), f"cell {i}", "typography", lang, message))
+            if lang == "zh-TW":  # the markers are gone from the prose texts: read the cell's source
+                for match in ZH_TW_LABEL.finditer(source_of(cell)):
+                    message = f"full stop inside the bold label {match.group(0)!r}: write **{match.group(1)}**。"
+                    findings.append(Finding(relative(path), f"cell {i}", "typography", lang, message))
     return findings
 
 
