@@ -632,7 +632,8 @@ KO_GLOSS_BREAK = re.compile(r"[\uac00-\ud7a3]\n\(([^()\n]*)\)(?=([\uac00-\ud7a3]
 # and a line that starts with the dash are not that.
 RU_DASH = re.compile(r"(?<=[^\s|]) —")
 # zh-TW: a bold run-in label keeps its full stop outside, "**容量**。", as about 90 labels of the book do.
-ZH_TW_LABEL = re.compile(r"\*\*([^*。\n]{1,15})。\*\*")
+# A label opens a line or a list item, or follows a full stop or colon; a "**" elsewhere may close a span.
+ZH_TW_LABEL = re.compile(r"(?m)(?:^(?:[ \t]*(?:[-*]|\d+\.)[ \t]+)?|(?<=[。：]))\*\*([^*\n]{1,40}?)。\*\*")
 KO_NOT_GLOSS = re.compile(rf"[×·+=/−*^<>≤≥∝]|^[^{HANGUL}]*,[^{HANGUL}]*$")
 SPACE_PERCENT = re.compile(r"(?<![\d.,])(\d+(?:[.,]\d+)?)[ \u00a0\u202f]%")
 PT_DECIMAL_UNITS = (
