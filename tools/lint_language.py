@@ -31,6 +31,10 @@ outputs     an English sentence in the outputs of a translated notebook: a line 
             committed notebooks carry no outputs: CI checks them as nbval executes the translated chapters
             (the hook at the end of conftest.py calls :func:`check_nbval_item`; no notebook runs twice), and
             this command checks executed notebooks given as paths (e.g. the book build's jupyter_execute).
+comments    a code comment of a translated chapter left as the English chapter has it, when it is a
+            sentence (four plain words or more, little else): a comment the English gained after the
+            translation was made ("translations.py sync" copies new lines in English). Code, commands
+            and quoted messages in comments may stay as they are.
 particles   ko: the particle after code or a Latin word (은/는, 이/가, 을/를, 과/와, 으로/로, 이라/라 ...) chosen
             by how the word is read, not spelled: `set_epoch`은 (셋 에폭), `DataLoader`는, `NCCL`로 (니클: ㄹ
             takes 로); an expression by its last word. Readings: ``assets/terms.yml`` (particles), then a
@@ -60,7 +64,7 @@ TERMS = ROOT / "assets" / "terms.yml"
 CHAPTERS = ROOT / "chapters"
 PACKAGE = ROOT / "code" / "distcourse"
 LOCALE = PACKAGE / "locale"
-RULES = ("code", "terms", "typography", "outputs", "particles")
+RULES = ("code", "terms", "typography", "outputs", "particles", "comments")
 SETUP = 1  # the setup cell, written by tools/headers.py: its code and comments stay English by design
 
 # Placeholders for what prose checks must not read: a code span, a math span.
@@ -1139,11 +1143,44 @@ def check_outputs(path: Path, nb: dict, lang: str) -> list[Finding]:
     return findings
 
 
+# ================================================================ rule: comments
+
+PLAIN_WORD = re.compile(r"[A-Za-z][A-Za-z'’-]*[,.:;]?")
+
+
+def english_comment(text: str) -> bool:
+    """A sentence of English: four plain words or more, and little else (not code, a command, a message)."""
+    tokens = text.split()
+    plain = [t for t in tokens if PLAIN_WORD.fullmatch(t)]
+    return len(plain) >= 4 and len(plain) >= 0.75 * len(tokens)
+
+
+def check_comments(path: Path, nb: dict, lang: str, english: dict | None = None) -> list[Finding]:
+    """Comments of a translated notebook that are still the English chapter's (same cell id), word for word."""
+    if english is None:
+        source = CHAPTERS / "en" / Path(path).name
+        if not source.exists():
+            return []
+        english = read_notebook(source)
+    by_id = {cell.get("id"): cell for cell in english["cells"] if cell["cell_type"] == "code"}
+    findings = []
+    for i, cell in enumerate(nb["cells"]):
+        original = by_id.get(cell.get("id"))
+        if cell["cell_type"] != "code" or i == SETUP or original is None:
+            continue
+        kept = {text for _, text in comments(strip_magics(source_of(original)))}
+        for _, text in comments(strip_magics(source_of(cell))):
+            if text in kept and english_comment(text):
+                message = f"comment left in English: {shorten(text, 70)!r}"
+                findings.append(Finding(relative(path), f"cell {i}", "comments", lang, message))
+    return findings
+
+
 # ================================================================ running the rules
 
 
 def lint_notebook(path: Path, nb: dict, rules: set[str]) -> list[Finding]:
-    """terms, typography and outputs over one notebook (a translation; English: emphasis only)."""
+    """terms, typography, outputs, particles and comments over one notebook (English: emphasis only)."""
     lang = notebook_language(nb, path)
     findings = []
     if lang != "en":
@@ -1153,6 +1190,8 @@ def lint_notebook(path: Path, nb: dict, rules: set[str]) -> list[Finding]:
             findings += check_outputs(path, nb, lang)
         if "particles" in rules:
             findings += check_particles(path, lang, nb)
+        if "comments" in rules:
+            findings += check_comments(path, nb, lang)
     if "typography" in rules:
         findings += check_emphasis(path, nb, lang)
     return findings
