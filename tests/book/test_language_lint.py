@@ -552,18 +552,28 @@ def test_comments_catch_an_english_sentence_left_in_a_translation():
     def cell(source: str) -> dict:
         return {**code_cell(source), "id": "c0ffee00"}
 
-    english = notebook(markdown_cell("# T"), cell("x = 1"), cell(
-        "y = 2   # the same sums, split the same way\n"
-        "# torch.load(weights_only=True)\n"
-        '# "... was killed by signal SIGABRT"\n'
-        "z = 3   # one thread per rank: what torchrun gives each worker\n"
-    ), lang="en")
-    translated = notebook(markdown_cell("# T"), cell("x = 1"), cell(
-        "y = 2   # the same sums, split the same way\n"
-        "# torch.load(weights_only=True)\n"
-        '# "... was killed by signal SIGABRT"\n'
-        "z = 3   # по одному потоку на ранг, как у torchrun\n"
-    ), lang="ru")
+    english = notebook(
+        markdown_cell("# T"),
+        cell("x = 1"),
+        cell(
+            "y = 2   # the same sums, split the same way\n"
+            "# torch.load(weights_only=True)\n"
+            '# "... was killed by signal SIGABRT"\n'
+            "z = 3   # one thread per rank: what torchrun gives each worker\n"
+        ),
+        lang="en",
+    )
+    translated = notebook(
+        markdown_cell("# T"),
+        cell("x = 1"),
+        cell(
+            "y = 2   # the same sums, split the same way\n"
+            "# torch.load(weights_only=True)\n"
+            '# "... was killed by signal SIGABRT"\n'
+            "z = 3   # по одному потоку на ранг, как у torchrun\n"
+        ),
+        lang="ru",
+    )
     found = lint.check_comments(Path("chapters/ru/99-test.ipynb"), translated, "ru", english=english)
     assert [f.message for f in found] == ["comment left in English: 'the same sums, split the same way'"]
     assert not lint.english_comment("python -m torch.distributed.launch --nproc_per_node=4 train.py")
