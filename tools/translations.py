@@ -246,7 +246,12 @@ def _pattern(term: str, lang: str) -> re.Pattern:
     return re.compile(r"\s*".join(re.escape(w) for w in words))
 
 
+CODE_SPAN = re.compile(r"(`+).+?\1", re.S)
+
+
 def english_uses(term: dict, text: str) -> bool:
+    """Whether the English prose uses the term; a code span (`torch.utils.checkpoint`) is a name, not the term."""
+    text = CODE_SPAN.sub(" ", text)
     return any(re.search(r"\b" + re.escape(_normalize(m)) + r"\b", _normalize(text)) for m in term["en"])
 
 
