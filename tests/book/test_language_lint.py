@@ -565,31 +565,19 @@ def test_english_a_catalog_keeps_on_purpose_is_not_flagged():
 
 
 def test_comments_catch_an_english_sentence_left_in_a_translation():
-    def cell(source: str) -> dict:
-        return {**code_cell(source), "id": "c0ffee00"}
+    # Both notebooks share the first three comments (a sentence, code, a quoted message); the last differs.
+    kept = (
+        "y = 2   # the same sums, split the same way\n"
+        "# torch.load(weights_only=True)\n"
+        '# "... was killed by signal SIGABRT"\n'
+    )
 
-    english = notebook(
-        markdown_cell("# T"),
-        cell("x = 1"),
-        cell(
-            "y = 2   # the same sums, split the same way\n"
-            "# torch.load(weights_only=True)\n"
-            '# "... was killed by signal SIGABRT"\n'
-            "z = 3   # one thread per rank: what torchrun gives each worker\n"
-        ),
-        lang="en",
-    )
-    translated = notebook(
-        markdown_cell("# T"),
-        cell("x = 1"),
-        cell(
-            "y = 2   # the same sums, split the same way\n"
-            "# torch.load(weights_only=True)\n"
-            '# "... was killed by signal SIGABRT"\n'
-            "z = 3   # по одному потоку на ранг, как у torchrun\n"
-        ),
-        lang="ru",
-    )
+    def chapter(last_comment: str, lang: str) -> dict:
+        cell = {**code_cell(kept + f"z = 3   # {last_comment}\n"), "id": "c0ffee00"}
+        return notebook(markdown_cell("# T"), {**code_cell("x = 1"), "id": "c0ffee01"}, cell, lang=lang)
+
+    english = chapter("one thread per rank: what torchrun gives each worker", "en")
+    translated = chapter("по одному потоку на ранг, как у torchrun", "ru")
     found = lint.check_comments(Path("chapters/ru/99-test.ipynb"), translated, "ru", english=english)
     assert [f.message for f in found] == ["comment left in English: 'the same sums, split the same way'"]
     assert not lint.english_comment("python -m torch.distributed.launch --nproc_per_node=4 train.py")
