@@ -637,7 +637,7 @@ KO_GLOSS_BREAK = re.compile(r"[\uac00-\ud7a3]\n\(([^()\n]*)\)(?=([\uac00-\ud7a3]
 RU_DASH = re.compile(r"(?<=[^\s|]) —")
 # zh-TW: a bold run-in label keeps its full stop outside, "**容量**。", as about 90 labels of the book do.
 # A label opens a line or a list item, or follows a full stop or colon; a "**" elsewhere may close a span.
-ZH_TW_LABEL = re.compile(r"(?m)(?:^(?:[ \t]*(?:[-*]|\d+\.)[ \t]+)?|(?<=[。：]))\*\*([^*\n]{1,40}?)。\*\*")
+ZH_TW_LABEL = re.compile(r"(?m)(?:^(?:[ \t]*(?:[-*]|\d+\.)[ \t]+)?|(?<=[。：]))\*\*([^*\n]{1,40}?)([。？！])\*\*")
 KO_NOT_GLOSS = re.compile(rf"[×·+=/−*^<>≤≥∝]|^[^{HANGUL}]*,[^{HANGUL}]*$")
 SPACE_PERCENT = re.compile(r"(?<![\d.,])(\d+(?:[.,]\d+)?)[ \u00a0\u202f]%")
 PT_DECIMAL_UNITS = (
@@ -736,7 +736,8 @@ def check_emphasis(path: Path, nb: dict, lang: str) -> list[Finding]:
                 findings.append(Finding(relative(path), f"cell {i}", "typography", lang, message))
             if lang == "zh-TW":  # the markers are gone from the prose texts: read the cell's source
                 for match in ZH_TW_LABEL.finditer(source_of(cell)):
-                    message = f"full stop inside the bold label {match.group(0)!r}: write **{match.group(1)}**。"
+                    label, mark = match.groups()
+                    message = f"punctuation inside the bold label {match.group(0)!r}: write **{label}**{mark}"
                     findings.append(Finding(relative(path), f"cell {i}", "typography", lang, message))
     return findings
 
