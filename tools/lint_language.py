@@ -635,6 +635,7 @@ KO_GLOSS_BREAK = re.compile(r"[\uac00-\ud7a3]\n\(([^()\n]*)\)(?=([\uac00-\ud7a3]
 # ru: a dash between parts of a sentence has a no-break space before it (style sheet); a table cell "| — |"
 # and a line that starts with the dash are not that.
 RU_DASH = re.compile(r"(?<=[^\s|]) —")
+CONTROL = re.compile(r"[\x00-\x08\x0b\x0c\x0e-\x1f\x7f]")  # invisible on the page, breaks search and copy
 # zh-TW: a bold run-in label keeps its full stop outside, "**容量**。", as about 90 labels of the book do.
 # A label opens a line or a list item, or follows a full stop or colon; a "**" elsewhere may close a span.
 ZH_TW_LABEL = re.compile(r"(?m)(?:^(?:[ \t]*(?:[-*]|\d+\.)[ \t]+)?|(?<=[。：]))\*\*([^*\n]{1,40}?)([。？！])\*\*")
@@ -690,6 +691,9 @@ def check_typography_text(text: Text, lang: str) -> list[Finding]:
     """The typography of one text; comments and catalog values get the checks that apply to them."""
     body, problems = text.text, []
     prose = text.kind in ("prose", "notes")
+    for match in CONTROL.finditer(body):
+        context = shorten(flatten(body[max(0, match.start() - 20) : match.end() + 20]), 50)
+        problems.append(f"control character U+{ord(match.group(0)):04X} in {context!r}")
     if lang == "ru" and prose:
         for match in RU_NUMBER_UNIT.finditer(body):
             number, unit = match.group(1), match.group(2)
