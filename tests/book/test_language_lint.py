@@ -194,6 +194,8 @@ def test_english_words_skip_identifiers_units_and_fields():
         ("ru", "измерите, почему `nn.DataParallel` медленный", "измерите, из чего складывается шаг, и поймёте, почему"),
         ("ru", "запуск обучает оба варианта", "в обоих вариантах модель обучается"),
         ("ru", "**Ваш собственный текст.**", "**Свой текст.**"),
+        ("pt-BR", "eles são DTensors na malha de dp", "eles são objetos `DTensor` na malha de dp"),
+        ("pt-BR", "divisões em float de números inteiros", "divisões de inteiros em ponto flutuante"),
         ("zh-TW", "TP 的集合通訊不會藏在計算後面", "TP 的集合通訊無法與計算重疊"),
         ("zh-TW", "在預設的 `broadcast_buffers=True` 之下還會複製", "在預設的 `broadcast_buffers=True` 設定下還會複製"),
         ("zh-TW", "先談數值格式（第 1-4 節）", "先談數值格式（第 1 至 4 節）"),
