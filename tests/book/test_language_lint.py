@@ -211,6 +211,8 @@ def test_english_words_skip_identifiers_units_and_fields():
         ("pt-BR", "um nó que chega depois se junta a ele", "um nó que chegar depois se junta a ele"),
         ("zh-CN", "每个 rank 都带来自己的设备", "每个 rank 各有一块自己的设备"),
         ("zh-CN", "也得靠 `static_graph=True`", "也需要 `static_graph=True`"),
+        ("zh-CN", "像被内核的 OOM killer 杀掉", "像被操作系统内核的 OOM killer 杀掉"),
+        ("zh-CN", "所有进程都通过一个 barrier", "所有 rank 在 barrier 处会合"),
         ("ru", "последовательности дополнены паддингом", "последовательности дополнены до общей длины (padding)"),
         ("ru", "второй поток в каждом ранге ждёт", "второй поток на каждом ранге ждёт"),
         ("ru", "запуски выше его передают", "в запусках выше он передан"),
