@@ -628,6 +628,7 @@ ZH_PARENS = re.compile(r"\(([^()\n]*)\)")
 MATHLIKE = re.compile(r"[×·+=/−*^<>≤≥∝]|\w-\w")
 TUPLE = re.compile(rf"^[^{HAN}]*(?:,|\.\.\.|['\"])[^{HAN}]*$")
 LINE_BREAK = re.compile(rf"[{HAN}{CJK_PUNCT}]\n[{HAN}{CJK_PUNCT}]")
+ZH_SPACE_AFTER = re.compile(r"[。，；：？！、] +(?=[^\s|*])")  # full-width punctuation carries its own space
 # ko: a gloss in parentheses on the next source line: "CUDA 이벤트\n(`torch.cuda.Event`)는" renders as
 # "이벤트 (…)는"; the gloss belongs to the word ("30분(`default_pg_timeout`)이고"). A gloss is what a
 # particle follows, or a parenthesis without Korean; math, a tuple "(edp, tp)" and an aside may start a line.
@@ -738,6 +739,11 @@ def check_emphasis(path: Path, nb: dict, lang: str) -> list[Finding]:
             for paragraph in unclosed_emphasis(source_of(cell)):
                 message = f"literal ** on the page (emphasis not closed) in {shorten(paragraph, 70)!r}"
                 findings.append(Finding(relative(path), f"cell {i}", "typography", lang, message))
+            if lang in ("zh-CN", "zh-TW"):  # read the source: "**标签。** 正文" needs its space after the **
+                for match in ZH_SPACE_AFTER.finditer(source_of(cell)):
+                    context = source_of(cell)[max(0, match.start() - 8) : match.end() + 8].replace("\n", " ")
+                    message = f"space after the full-width {match.group(0).strip()!r} in {context!r}: remove it"
+                    findings.append(Finding(relative(path), f"cell {i}", "typography", lang, message))
             if lang == "zh-TW":  # the markers are gone from the prose texts: read the cell's source
                 for match in ZH_TW_LABEL.finditer(source_of(cell)):
                     label, mark = match.groups()
