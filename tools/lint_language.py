@@ -616,7 +616,7 @@ def check_terms_text(text: Text, lang: str) -> list[Finding]:
 
 RU_UNITS = (
     r"мкс|мс|нс|мин|ч|с|Б|байта|байтов|байт|бита|битов|бит|[КкМГТ]и?Б(?:/с)?|[МГ]бит/с|Гбит/с|"
-    r"млн|млрд|тыс\.|%|[kKMGT]i?B(?:/s)?|T?FLOP/s|GT/s|Гц|ГГц|°C|ms|µs|мкм"
+    r"млн|млрд|тыс\.|%|[kKMGT]i?B(?:/s)?|T?FLOP/s|GT/s|ГТ/с|Гц|ГГц|°C|ms|µs|мкм"
 )
 RU_NUMBER_UNIT = re.compile(rf"(?<![\w.,])(\d+(?:,\d+)?)[ \n]({RU_UNITS})(?![\w/])")
 RU_GROUPED = re.compile(r"(?<![\d.,])\d{1,3}(?:[ \n]\d{3})+(?![\d])")
