@@ -637,7 +637,7 @@ KO_GLOSS_BREAK = re.compile(r"[\uac00-\ud7a3]\n\(([^()\n]*)\)(?=([\uac00-\ud7a3]
 # and a line that starts with the dash are not that.
 RU_DASH = re.compile(r"(?<=[^\s|]) —")
 CONTROL = re.compile(r"[\x00-\x08\x0b\x0c\x0e-\x1f\x7f]")  # invisible on the page, breaks search and copy
-# zh-TW: a bold run-in label keeps its full stop outside, "**容量**。", as about 90 labels of the book do.
+# zh-TW: a bold run-in label keeps its full stop (or ？！) outside, "**容量**。", as about 90 labels of the book do.
 # A label opens a line or a list item, or follows a full stop or colon; a "**" elsewhere may close a span.
 ZH_TW_LABEL = re.compile(r"(?m)(?:^(?:[ \t]*(?:[-*]|\d+\.)[ \t]+)?|(?<=[。：]))\*\*([^*\n]{1,40}?)([。？！])\*\*")
 KO_NOT_GLOSS = re.compile(rf"[×·+=/−*^<>≤≥∝]|^[^{HANGUL}]*,[^{HANGUL}]*$")
