@@ -345,6 +345,24 @@ def test_english_words_skip_identifiers_units_and_fields():
         ("pt-BR", "as duas voltam ao Python na hora", "as duas retornam imediatamente ao Python"),
         ("pt-BR", "iguais até o arredondamento de float64", "iguais a menos do arredondamento de float64"),
         ("pt-BR", "compute capability 8.9 ou mais nova", "compute capability 8.9 ou superior"),
+        (
+            "ru",
+            "градиенты реплик суммируются обратно на GPU 0",
+            "градиенты реплик возвращаются на GPU 0 и суммируются там",
+        ),
+        ("ru", "## 3. Тихие ошибки", "## 3. Незаметные ошибки"),
+        ("zh-CN", "更新在 fp32 中进行", "以 fp32 执行更新"),
+        ("zh-CN", "更大的单 GPU 批次", "每块 GPU 上更大的批次"),
+        (
+            "zh-TW",
+            "與本課程其他所有地方不同，這份腳本使用固定的連接埠",
+            "這份腳本使用固定的連接埠，這是本課程唯一的例外",
+        ),
+        ("zh-TW", "重疊可以隱藏 all-reduce 的大部分時間", "重疊可以掩蓋 all-reduce 的大部分時間"),
+        ("ko", "랭크 2개에서의 노름", "랭크 2개로 구한 노름"),
+        ("ko", "실패한 각 랭크가 각자의 예외와", "실패한 랭크는 저마다 예외와"),
+        ("pt-BR", "O que o código lê de volta ganha uma linha", "O que o código vai ler da saída ganha uma linha"),
+        ("pt-BR", "outro tamanho de paralelismo de dados", "outro grau de paralelismo de dados"),
     ],
 )
 def test_terms_catch_the_reviewers_splits(lang, bad, good):
