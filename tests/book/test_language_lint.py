@@ -363,6 +363,14 @@ def test_english_words_skip_identifiers_units_and_fields():
         ("ko", "실패한 각 랭크가 각자의 예외와", "실패한 랭크는 저마다 예외와"),
         ("pt-BR", "O que o código lê de volta ganha uma linha", "O que o código vai ler da saída ganha uma linha"),
         ("pt-BR", "outro tamanho de paralelismo de dados", "outro grau de paralelismo de dados"),
+        ("ru", "с одним потоком внутри операций", "с одним потоком intra-op"),
+        ("ru", "(выше: гиперпараметры Adam)", "(в примере выше — гиперпараметры Adam)"),
+        ("zh-CN", "在真实的进程上运行", "在真正的进程上运行"),
+        ("zh-CN", "无法访问的地址：所以脚本把", "无法访问的地址。这正是脚本把"),
+        ("zh-TW", "2 × 2 配置下的節點", "2 × 2 佈局下的節點"),
+        ("zh-TW", "1/√(variance + ε)", "1/√(變異數 + ε)"),
+        ("ko", "**모델을 감쌉니다**: `DDP(model)`", "`DDP(model)`로 **모델을 감쌉니다**."),
+        ("ko", "측정 결과가 보여 주는 것은 다음과 같습니다.", "측정 결과에서 다음을 알 수 있습니다."),
     ],
 )
 def test_terms_catch_the_reviewers_splits(lang, bad, good):
