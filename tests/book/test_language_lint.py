@@ -371,7 +371,7 @@ def test_english_words_skip_identifiers_units_and_fields():
         ("zh-TW", "1/√(variance + ε)", "1/√(變異數 + ε)"),
         ("ko", "**모델을 감쌉니다**: `DDP(model)`", "`DDP(model)`로 **모델을 감쌉니다**."),
         ("ko", "측정 결과가 보여 주는 것은 다음과 같습니다.", "측정 결과에서 다음을 알 수 있습니다."),
-        ("pt-BR", "cada afirmação é um \ue000.", "cada afirmação é verificada por um \ue000."),  # \ue000: a code span
+        ("pt-BR", "cada afirmação é um `assert`.", "cada afirmação é verificada por um `assert`."),
         ("pt-BR", "carregá-lo de volta em um único processo", "carregá-lo depois em um único processo"),
         ("pt-BR", "treinam três passos com Adam", "fazem três passos de treinamento com o Adam"),
     ],
