@@ -374,6 +374,8 @@ def test_english_words_skip_identifiers_units_and_fields():
         ("pt-BR", "cada afirmação é um `assert`.", "cada afirmação é verificada por um `assert`."),
         ("pt-BR", "carregá-lo de volta em um único processo", "carregá-lo depois em um único processo"),
         ("pt-BR", "treinam três passos com Adam", "fazem três passos de treinamento com o Adam"),
+        ("ko", "프로세스를 **중단**시킬 수 있습니다", "프로세스를 **비정상 종료**시킬 수 있습니다"),
+        ("ko", "속도 향상 수치를 인용하고 싶은 유혹을 참으세요", "속도 향상 수치는 인용하지 마세요"),
     ],
 )
 def test_terms_catch_the_reviewers_splits(lang, bad, good):
