@@ -376,6 +376,20 @@ def test_english_words_skip_identifiers_units_and_fields():
         ("pt-BR", "treinam três passos com Adam", "fazem três passos de treinamento com o Adam"),
         ("ko", "프로세스를 **중단**시킬 수 있습니다", "프로세스를 **비정상 종료**시킬 수 있습니다"),
         ("ko", "속도 향상 수치를 인용하고 싶은 유혹을 참으세요", "속도 향상 수치는 인용하지 마세요"),
+        ("zh-CN", "编写 `find_slow_rank(per_rank)`：返回掉队者", "编写 `find_slow_rank(per_rank)`，返回掉队者"),
+        ("zh-CN", "TensorPipe 已不再积极开发", "TensorPipe 已不再活跃开发"),
+        ("zh-TW", "若 all-to-all 被隱藏（第二列）", "若 all-to-all 與計算重疊（第二列）"),
+        ("zh-TW", "{total} 個中的 {dropped} 個", "{dropped} 個（共 {total} 個）"),
+        ("zh-TW", "**自我檢查**。寫出 `f(x)`：根據", "**自我檢查**。寫出 `f(x)`，根據"),
+        ("ko", "모든 쿼리가 앞선 모든 키를 필요로 합니다", "모든 쿼리에 앞선 모든 키가 필요합니다"),
+        ("ko", "이 장의 공식들로부터 결정 표를", "이 장의 공식으로 결정 표를"),
+        ("ko", "노출된 통신, 초", "드러난 통신, 초"),
+        (
+            "pt-BR",
+            "Escreva `find_slow_rank(per_rank)`: o rank",
+            "Escreva `find_slow_rank(per_rank)`, que retorna o rank",
+        ),
+        ("pt-BR", "(embedding, norma final, saída)", "(embedding, normalização final, saída)"),
     ],
 )
 def test_terms_catch_the_reviewers_splits(lang, bad, good):
