@@ -365,6 +365,7 @@ def test_english_words_skip_identifiers_units_and_fields():
         ("pt-BR", "outro tamanho de paralelismo de dados", "outro grau de paralelismo de dados"),
         ("ru", "с одним потоком внутри операций", "с одним потоком intra-op"),
         ("ru", "(выше: гиперпараметры Adam)", "(в примере выше — гиперпараметры Adam)"),
+        ("ru", "потери совпадают побитово", "потери совпадают бит в бит; побитовое сравнение"),
         ("zh-CN", "在真实的进程上运行", "在真正的进程上运行"),
         ("zh-CN", "无法访问的地址：所以脚本把", "无法访问的地址。这正是脚本把"),
         ("zh-TW", "2 × 2 配置下的節點", "2 × 2 佈局下的節點"),
