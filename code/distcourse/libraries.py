@@ -6,7 +6,8 @@ loss of every step (the mean over both ranks) and the final weights. If the libr
 what they claim (average gradients across ranks, like DDP), the four records agree.
 
 Plain DDP runs through ``distcourse.launch`` (``ddp_train``). Each library runs as a real
-script under its own launcher, in a subprocess (``run_script``): the scripts live in
+script in its own processes (``run_script``): Lightning starts its ranks itself, Accelerate and
+DeepSpeed run under torchrun. The scripts live in
 ``distcourse/scripts/`` and write their record with ``save_result``.
 """
 
