@@ -394,6 +394,36 @@ def test_english_words_skip_identifiers_units_and_fields():
             "Escreva `find_slow_rank(per_rank)`, que retorna o rank",
         ),
         ("pt-BR", "(embedding, norma final, saída)", "(embedding, normalização final, saída)"),
+        (
+            "ru",
+            "если ячейка на вашем ноутбуке завершается с ошибкой",
+            "если на вашем компьютере ячейка завершается с ошибкой",
+        ),
+        ("ru", "запустите повседневный цикл обучения DDP", "запустите обычный цикл обучения DDP"),
+        ("ru", "k микробатчей стоят k раундов коммуникации", "k микробатчей обходятся в k раундов коммуникации"),
+        ("zh-CN", "本章第一个 notebook 介绍过", "本章第一部分介绍过"),
+        ("zh-CN", "它恰好是 rank 0 只是偶然", "它是不是 rank 0 全凭偶然"),
+        ("zh-CN", "每个这类条目只分配给一个 rank", "把每个这样的条目只交给一个 rank 写出"),
+        (
+            "zh-TW",
+            "對於分片的張量，就是分片；對於一般張量，就是張量本身",
+            "若是分片的張量，就是分片；若是一般張量，就是張量本身",
+        ),
+        ("zh-TW", "在 fp32 中，每個參數多 4 位元組", "使用 fp32 時，每個參數多 4 位元組"),
+        ("zh-TW", "混合精度下為 2 位元組", "使用混合精度時為 2 位元組"),
+        ("ko", "피크 성능에 현실적인 비율을 곱해", "최대 성능에 현실적인 비율을 곱한"),
+        ("ko", "-6은 abort입니다.", "-6은 비정상 종료(abort)입니다."),
+        ("ko", "커뮤니케이터를 중단한 뒤 종료하므로", "커뮤니케이터를 강제로 닫고(abort) 종료하므로"),
+        ("ko", "누가 누구인지 합의하고", "각자의 번호를 합의해 정한 뒤"),
+        ("ko", "랭크 4개에 걸쳐 평균하면", "랭크 4개에서 얻은 이 값을 평균하면"),
+        ("ko", "또 한 번의 all-to-all로 출력을 되돌려 받습니다", "한 번 더 실행해 출력을 돌려받습니다"),
+        ("pt-BR", "a norma é medida sobre todos os shards", "a norma é medida em todos os shards"),
+        (
+            "pt-BR",
+            "o `prepare` divide o loader do seu próprio jeito",
+            "o `prepare` faz a divisão do loader de um jeito próprio",
+        ),
+        ("pt-BR", "Não importa qual curva fica mais alta", "O foco não é saber qual curva fica mais alta"),
     ],
 )
 def test_terms_catch_the_reviewers_splits(lang, bad, good):
@@ -413,6 +443,9 @@ def test_terms_respect_where_an_entry_applies():
     # ru: the code-comment conventions apply to comments only.
     assert term_findings("ru", "Ваш код: верните эпоху", kind="comments")
     assert term_findings("ru", "Ваш код здесь: верните эпоху", kind="comments") == []
+    # ru: "bitwise" and rounding are one form in code comments too.
+    assert term_findings("ru", "# Побитово: те же ядра", kind="comments")
+    assert term_findings("ru", "# Бит в бит: те же ядра", kind="comments") == []
 
 
 def test_terms_pending_entries_hide_only_that_finding(monkeypatch):
