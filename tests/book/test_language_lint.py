@@ -452,6 +452,23 @@ def test_english_words_skip_identifiers_units_and_fields():
         ("pt-BR", "um hostname que resolve para um endereço", "um hostname resolvido para um endereço"),
         ("pt-BR", "(network namespaces, veth)", "(namespaces de rede, veth)"),
         ("pt-BR", "as camadas vêm da saída de volta até a entrada", "as camadas vêm na ordem da saída para a entrada"),
+        ("ru", "проекции query, key и value", "проекции запросов, ключей и значений"),
+        (
+            "ru",
+            "функция выбора, как и отчёт, приходит к 16 стадиям",
+            "функция выбора, как и авторы отчёта, приходит к 16 стадиям",
+        ),
+        ("zh-CN", "像第 1 部分那样", "像本章第一部分那样"),
+        ("zh-CN", "fp16 加梯度缩放器", "fp16 加损失缩放器"),
+        ("zh-CN", "不中断的那次运行同时训练", "不间断的运行照常训练"),
+        ("zh-TW", "填充的意思是：每個 epoch", "由於有填充，每個 epoch"),
+        ("zh-TW", "它用一個以 `seed` 為種子的產生器", "它以 `seed` 作為產生器的種子"),
+        ("ko", "순전파*와* 역전파를 트레이스하지만", "순전파와 역전파를 *모두* 트레이스하지만"),
+        ("ko", "A 자신의 워커가 먼저 실패했다면", "A의 워커가 먼저 실패했다면"),
+        ("ko", "PyTorch의 docstring 말대로", "PyTorch docstring에 적힌 대로"),
+        ("ko", "모든 노드가 합의하는 것은", "모든 노드가 똑같이 아는 값은"),
+        ("pt-BR", "um passo ainda treina", "cada passo continua treinando"),
+        ("pt-BR", "até o passo 40. Antes, cada rank informa", "até o passo 40. Primeiro, cada rank informa"),
     ],
 )
 def test_terms_catch_the_reviewers_splits(lang, bad, good):
