@@ -469,6 +469,23 @@ def test_english_words_skip_identifiers_units_and_fields():
         ("ko", "모든 노드가 합의하는 것은", "모든 노드가 똑같이 아는 값은"),
         ("pt-BR", "um passo ainda treina", "cada passo continua treinando"),
         ("pt-BR", "até o passo 40. Antes, cada rank informa", "até o passo 40. Primeiro, cada rank informa"),
+        ("ru", "## 11. Повседневный цикл обучения", "## 11. Обычный цикл обучения"),
+        ("ru", "обычный выбор — `DDP(model, static_graph=True)`", "обычно выбирают `DDP(model, static_graph=True)`"),
+        ("ru", "чекпоинт — это больше, чем веса", "чекпоинт — это не только веса"),
+        ("ru", "сообщение должно говорить, какой файл", "из сообщения должно быть ясно, какой файл"),
+        ("zh-CN", "当最后一个训练器推送之后，服务器求平均", "最后一个训练器推送完毕后，服务器求平均"),
+        ("zh-CN", "每个微批次的分量都一样", "每个微批次所占的比重相同"),
+        ("zh-TW", "呼叫反向傳播與最佳化器", "執行反向傳播並呼叫最佳化器"),
+        ("zh-TW", "模型包裝於 {wrapper}", "模型由 {wrapper} 包裝"),
+        (
+            "ko",
+            "조용히 지나가는 이유는 노름도 올바른 값이기 때문입니다",
+            "노름도 올바른 값이므로 이 버그는 아무 경고 없이 지나갑니다",
+        ),
+        ("ko", "*m*을 제한하는 것은 활성화 메모리이며", "활성화 메모리가 *m*을 제한하며"),
+        ("pt-BR", "os workers repetem uns aos outros", "os workers sorteiam o mesmo ruído"),
+        ("pt-BR", "Aqui está o script inteiro", "Este é o script inteiro"),
+        ("pt-BR", "o mesmo script roda em todo lugar", "o mesmo script roda em todos os nós"),
     ],
 )
 def test_terms_catch_the_reviewers_splits(lang, bad, good):
