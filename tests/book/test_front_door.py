@@ -21,7 +21,6 @@ from distcourse.runtime import languages
 REPO_ROOT = Path(__file__).resolve().parents[2]
 INTERFACE = yaml.safe_load((REPO_ROOT / "tools" / "book_interface.yml").read_text(encoding="utf-8"))
 SHARED_PAGES = ("glossary", "translation-status", "tested-with")
-CHOICE, SEEN = "course-language", "course-front-door-seen"  # the front door's localStorage keys
 pytestmark = pytest.mark.slow  # builds the whole book (once, shared with test_book.py)
 
 
@@ -95,24 +94,6 @@ class Reader:
         time.sleep(0.5)  # a redirect would have left by now
         assert self.browser.evaluate("location.href") == where, "the front door redirected after all"
         return marked
-
-    def remembers(self, page: str, key: str, value: str) -> None:
-        """Wait until a new document of ``page`` (a book page, which writes no storage) reads ``value``.
-
-        A page writes localStorage in its renderer process and Chromium sends the write to its
-        storage service asynchronously; the next document may open in another process and read
-        the service's copy. So "the next visit" starts once a new document, opened the way the
-        next visit is (Page.navigate), reads the value.
-        """
-        deadline = time.monotonic() + 60
-        while True:
-            self.go(page)
-            seen = self.wait(f"location.href === {page!r} && [localStorage.getItem({key!r})]")
-            if seen == [value]:
-                return
-            if time.monotonic() > deadline:
-                raise AssertionError(f"localStorage[{key!r}] is {seen[0]!r} after 60 s, not {value!r}")
-            time.sleep(0.2)
 
     def click(self, selector: str) -> None:
         self.leave()
@@ -188,43 +169,6 @@ def test_first_visit_lands_on_the_book_of_the_browsers_language(html, reader, ac
     assert not [url for url in visitor.history() if url.startswith((html / "index.html").as_uri())]
 
 
-def test_an_explicit_choice_wins_without_a_redirect_loop(html, reader):
-    root, book = (html / "index.html").as_uri(), (html / "en" / "index.html").as_uri()
-    visitor = reader(["ko-KR", "ko"])
-    visitor.go(root)
-    visitor.lands_on("ko")
-    # #choose shows the list (the browser's language marked) and never redirects.
-    visitor.go(root + "#choose")
-    assert visitor.stays_on_front_door() == "ko"
-    # The reader picks English on the list: English it is, and stays so on the next visit.
-    visitor.click('.course-language-picker a[hreflang="en"]')
-    visitor.lands_on("en")
-    visitor.remembers(book, CHOICE, "en")
-    visitor.go(root)
-    visitor.lands_on("en")
-    # ?lang= is a choice too: the front door stays, marks it, and the next visit opens that book.
-    visitor.go(root + "?lang=ru")
-    assert visitor.stays_on_front_door() == "ru"
-    visitor.remembers(book, CHOICE, "ru")
-    visitor.go(root)
-    visitor.lands_on("ru")
-    visitor.go(root + "?lang=en")
-    assert visitor.stays_on_front_door() == "en"
-    visitor.remembers(book, CHOICE, "en")
-    visitor.go(root)
-    visitor.lands_on("en")
-
-
-def test_only_the_first_visit_follows_the_browser(html, reader):
-    """Without a choice, a reader who comes back to the front door sees the list, not a bounce."""
-    visitor = reader(["ko"])
-    visitor.go((html / "index.html").as_uri())
-    visitor.lands_on("ko")
-    visitor.remembers((html / "en" / "index.html").as_uri(), SEEN, "1")
-    visitor.go((html / "index.html").as_uri())
-    assert visitor.stays_on_front_door() == "ko"
-
-
 @pytest.fixture(scope="module")
 def server(html):
     """The built book served over HTTP on 127.0.0.1 (a free port), as a web server would."""
@@ -240,6 +184,46 @@ def server(html):
     yield f"http://127.0.0.1:{httpd.server_address[1]}/"
     httpd.shutdown()
     httpd.server_close()
+
+
+# What the front door remembers is tested over HTTP, where readers come back to it. From file://,
+# Chromium does not keep localStorage reliably between the pages of one tab: in a loop of "store,
+# location.replace to a second page, read", the writing page read its value back and the next page
+# found nothing in 2-8 % of the runs (and still nothing on later pages), against 0 of 60 over HTTP.
+# The first-visit tests above, which remember nothing, keep file://.
+
+
+def test_an_explicit_choice_wins_without_a_redirect_loop(server, reader):
+    root = server + "index.html"
+    visitor = reader(["ko-KR", "ko"])
+    visitor.go(root)
+    visitor.lands_on("ko")
+    # #choose shows the list (the browser's language marked) and never redirects.
+    visitor.go(root + "#choose")
+    assert visitor.stays_on_front_door() == "ko"
+    # The reader picks English on the list: English it is, and stays so on the next visit.
+    visitor.click('.course-language-picker a[hreflang="en"]')
+    visitor.lands_on("en")
+    visitor.go(root)
+    visitor.lands_on("en")
+    # ?lang= is a choice too: the front door stays, marks it, and the next visit opens that book.
+    visitor.go(root + "?lang=ru")
+    assert visitor.stays_on_front_door() == "ru"
+    visitor.go(root)
+    visitor.lands_on("ru")
+    visitor.go(root + "?lang=en")
+    assert visitor.stays_on_front_door() == "en"
+    visitor.go(root)
+    visitor.lands_on("en")
+
+
+def test_only_the_first_visit_follows_the_browser(server, reader):
+    """Without a choice, a reader who comes back to the front door sees the list, not a bounce."""
+    visitor = reader(["ko"])
+    visitor.go(server)
+    visitor.lands_on("ko")
+    visitor.go(server)
+    assert visitor.stays_on_front_door() == "ko"
 
 
 def test_front_door_works_from_a_web_server(server, reader):
