@@ -31,14 +31,14 @@ $(NODE_STAMP): package.json package-lock.json
 book: $(STAMP) $(NODE_STAMP) ## build the book (executes what changed) into _build/html
 	$(PY) tools/build_book.py
 
-# The failure scenarios run 3 times each here and 20 times in `make stress`: one round of the
+# The failure scenarios run twice each here and 20 times in `make stress`: one round of the
 # launcher's scenarios takes about 30 s on 2 cores and a two-node attempt 6-14 s, so 20 rounds
 # in every CI run would spend about 12 minutes; the notebooks of chapters 07 and 12 also restart,
 # kill and resume torchrun jobs once in each of six languages on every run.
 test: lint $(NODE_STAMP) ## everything CI runs: lint, numerics, every test and notebook, the book
 	$(MAKE) --no-print-directory numerics
 	bash tools/install_browser.sh
-	STRESS_ATTEMPTS=$${STRESS_ATTEMPTS:-3} TWO_NODE_ATTEMPTS=$${TWO_NODE_ATTEMPTS:-3} $(PY) -m pytest --durations=15
+	STRESS_ATTEMPTS=$${STRESS_ATTEMPTS:-2} TWO_NODE_ATTEMPTS=$${TWO_NODE_ATTEMPTS:-2} $(PY) -m pytest --durations=15
 
 # Fast tier: unit tests, parity and static checks; no notebook execution, book build,
 # browser, Colab simulation or stress scenarios (those are marked slow or stress).

@@ -4,7 +4,7 @@ Node A (10.213.0.1) hosts the c10d rendezvous; node B (10.213.0.2) reaches it ov
 link only. Both namespaces, and so both addresses, exist only inside this test. Each attempt
 trains chapter 07's script (`python -m distcourse.train`) with one process per node. Three
 scenarios, each repeated TWO_NODE_ATTEMPTS times (default STRESS_ATTEMPTS, 20; `make test`
-sets 3, since one attempt takes 6-14 s: `make stress` runs all 20):
+sets 2, since one attempt takes 6-17 s: `make stress` runs all 20):
 
 - both nodes start together: the same weights as one process on the whole batch;
 - the worker on node B dies on the first attempt, `--max-restarts=3`: both agents restart,
