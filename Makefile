@@ -32,7 +32,7 @@ book: $(STAMP) $(NODE_STAMP) ## build the book (executes what changed) into _bui
 	$(PY) tools/build_book.py
 
 # The failure scenarios run twice each here and 20 times in `make stress`: one round of the
-# launcher's scenarios takes about 30 s on 2 cores and a two-node attempt 6-14 s, so 20 rounds
+# launcher's scenarios takes about 30 s on 2 cores and a two-node attempt 6-17 s, so 20 rounds
 # in every CI run would spend about 12 minutes; the notebooks of chapters 07 and 12 also restart,
 # kill and resume torchrun jobs once in each of six languages on every run.
 test: lint $(NODE_STAMP) ## everything CI runs: lint, numerics, every test and notebook, the book

@@ -189,7 +189,7 @@ def server(html):
 # What the front door remembers is tested over HTTP, where readers come back to it. From file://,
 # Chromium does not keep localStorage reliably between the pages of one tab: in a loop of "store,
 # location.replace to a second page, read", the writing page read its value back and the next page
-# found nothing in 2-8 % of the runs (and still nothing on later pages), against 0 of 60 over HTTP.
+# found nothing in 2-10 % of the runs (and still nothing on later pages), against 0 of 60 over HTTP.
 # The first-visit tests above, which remember nothing, keep file://.
 
 

@@ -69,8 +69,8 @@ def catalog(code: str) -> dict[str, str]:
         return {}
     path = LOCALE_DIR / f"{code}.yml"
     try:
-        # libyaml's loader when PyYAML has it: 15x faster than the pure-Python one, and every rank
-        # process that prints loads the catalog (about 0.5 s of CPU each on a 100 KB catalog).
+        # libyaml's loader when PyYAML has it: every process that writes a translated language (the
+        # notebook's kernel, each rank) loads its 100 KB catalog, 0.5 s in pure Python, 0.04 s in C.
         entries = yaml.load(path.read_text(encoding="utf-8"), Loader=SAFE_LOADER) or {}
     except FileNotFoundError:
         raise FileNotFoundError(f"no figure-text catalog for {code!r}: {path} is missing") from None
