@@ -8,9 +8,11 @@ The first two cells (header and setup) are written by `tools/headers.py`.
 
 Each translation records, in ``metadata.distcourse.translation``, the
 fingerprint of the English prose it was translated from (``english_prose``: a
-hash of the English markdown cells and code comments). When the English prose
-changes, the translation is *behind*: the book shows it on the page and on the
-status page; the tests do not fail. Code drift does fail the tests.
+hash of the English markdown cells and code comments) and of each cell's prose
+(``english_cells``). When the English prose changes, the translation is *behind*:
+the book shows it on the page and on the status page, ``status`` names the cells
+whose English changed, and ``apply`` refuses a work file that leaves one of them
+as it was; the tests do not fail. Code drift does fail the tests.
 
     python tools/translations.py extract ru 03            # work file for a translator (stdout)
     python tools/translations.py apply ru work/03.txt     # build chapters/ru/03-*.ipynb from it
@@ -194,8 +196,46 @@ def prose_fingerprint(nb: nbformat.NotebookNode) -> str:
     return digest[:12]
 
 
+def cell_prose(nb: nbformat.NotebookNode) -> dict[str, str]:
+    """The prose of each cell that has some, by cell id ("title" for the chapter's title)."""
+    parts = {"title": nb.cells[HEADER].source.splitlines()[0]}
+    for i, cell in enumerate(nb.cells):
+        if i in (HEADER, SETUP):
+            continue
+        if cell.cell_type == "markdown":
+            parts[cell.get("id")] = cell.source
+        elif cell.cell_type == "code" and comments_of(cell.source):
+            parts[cell.get("id")] = "\n".join(comments_of(cell.source))
+    return parts
+
+
+def cell_fingerprints(nb: nbformat.NotebookNode) -> dict[str, str]:
+    """A short hash of each cell's prose, by cell id: what a translation records of the English
+    it follows, so that a later change names the cells it touched (``changed_cells``)."""
+    return {key: hashlib.sha256(text.encode("utf-8")).hexdigest()[:8] for key, text in cell_prose(nb).items()}
+
+
 def recorded(nb: nbformat.NotebookNode) -> dict:
     return nb.metadata.get("distcourse", {}).get("translation", {})
+
+
+def changed_cells(english: nbformat.NotebookNode, translated: nbformat.NotebookNode) -> list[str] | None:
+    """Ids of the cells whose English prose changed since the translation recorded it; None when the
+    translation is behind but records no per-cell fingerprints (then any cell may have changed)."""
+    was = recorded(translated)
+    if was.get("english_prose") == prose_fingerprint(english):
+        return []
+    cells = was.get("english_cells")
+    if not cells:
+        return None
+    return [key for key, value in cell_fingerprints(english).items() if cells.get(key) != value]
+
+
+def record_english(nb: nbformat.NotebookNode, english: nbformat.NotebookNode) -> None:
+    """Record that ``nb`` follows the English prose of ``english`` as it is now."""
+    meta = nb.metadata.setdefault("distcourse", {}).setdefault("translation", {})
+    meta["english_prose"] = prose_fingerprint(english)
+    meta["english_cells"] = cell_fingerprints(english)
 
 
 # ---------------------------------------------------------------- parity
@@ -342,12 +382,28 @@ def parse(text: str) -> tuple[str, dict[str, str]]:
     return title, cells
 
 
-def apply(english_path: pathlib.Path, lang: str, text: str) -> tuple[pathlib.Path, list[str]]:
+def apply(
+    english_path: pathlib.Path, lang: str, text: str, unchanged: tuple[str, ...] = ()
+) -> tuple[pathlib.Path, list[str]]:
     """Build the translation from a work file. Returns its path and any glossary gaps.
 
-    Raises ValueError, and writes nothing, if a cell is unknown or its code differs."""
+    Raises ValueError, and writes nothing, if a cell is unknown or its code differs, or if the
+    English of a cell changed since the existing translation was made and the work file leaves
+    that cell's translation as it was (a translation would be marked current while it still says
+    the old English). ``unchanged`` names such cells after a translator checked that they
+    already say what the new English says ("all": every one of them)."""
     english = read(english_path)
     title, cells = parse(text)
+    out = translation_of(english_path, lang)
+    if out.exists():
+        stale = untouched_changes(english, read(out), title, cells)
+        stale = [] if "all" in unchanged else [key for key in stale if key not in unchanged]
+        if stale:
+            raise ValueError(
+                f"the English of cell(s) {', '.join(stale)} changed since {out.name} was translated, and the "
+                "work file keeps their old translation: translate them, or, if they already say what the new "
+                "English says, name them with --unchanged"
+            )
     nb = copy.deepcopy(english)
     by_id = {c.get("id"): c for c in nb.cells}
     unknown = set(cells) - set(by_id)
@@ -364,12 +420,28 @@ def apply(english_path: pathlib.Path, lang: str, text: str) -> tuple[pathlib.Pat
     nb.metadata.setdefault("distcourse", {})["translation"] = {
         "language": lang,
         "english": f"chapters/en/{english_path.name}",
-        "english_prose": prose_fingerprint(english),
     }
-    out = translation_of(english_path, lang)
+    record_english(nb, english)
     write(nb, out)
     headers.update(out, english_path.parents[2])  # its setup cell and language links
     return out, missing_terms(english, read(out), lang)
+
+
+def untouched_changes(
+    english: nbformat.NotebookNode, existing: nbformat.NotebookNode, title: str, cells: dict[str, str]
+) -> list[str]:
+    """Cells whose English changed since ``existing`` was translated and whose translation the work
+    file (``title``, ``cells``) leaves as it was."""
+    changed = changed_cells(english, existing)
+    old = cell_prose(existing)
+    if changed is None:  # no per-cell record: every cell may have changed
+        changed = list(old)
+    kinds = {c.get("id"): c.cell_type for c in english.cells}
+    new = {"title": title}
+    for key, body in cells.items():
+        new[key] = "\n".join(comments_of(body)) if kinds.get(key) == "code" else body
+    # A cell the English gained and the work file does not translate would stay in English.
+    return [key for key in changed if (new.get(key, old.get(key)) == old[key] if key in old else key not in new)]
 
 
 def sync(translated_path: pathlib.Path, root: pathlib.Path = ROOT) -> bool:
@@ -415,7 +487,10 @@ def status(root: pathlib.Path = ROOT) -> list[dict]:
                 nb = read(path)
                 was = recorded(nb).get("english_prose")
                 row.update(
-                    state="current" if was == now else "behind", translated_from=was, code=code_differences(english, nb)
+                    state="current" if was == now else "behind",
+                    translated_from=was,
+                    code=code_differences(english, nb),
+                    cells=changed_cells(english, nb),
                 )
             rows.append(row)
     return rows
@@ -432,7 +507,7 @@ def cmd_extract(args) -> int:
 def cmd_apply(args) -> int:
     number = args.chapter or re.match(r"\d+", args.workfile.name).group(0)
     try:
-        out, gaps = apply(chapter(number), args.lang, args.workfile.read_text(encoding="utf-8"))
+        out, gaps = apply(chapter(number), args.lang, args.workfile.read_text(encoding="utf-8"), tuple(args.unchanged))
     except ValueError as error:
         print(f"not applied: {error}", file=sys.stderr)
         return 1
@@ -455,11 +530,12 @@ def cmd_sync(args) -> int:
 
 def cmd_mark_current(args) -> int:
     english_path = chapter(args.chapter)
-    now = prose_fingerprint(read(english_path))
+    english = read(english_path)
+    now = prose_fingerprint(english)
     for lang in args.langs or TRANSLATED:
         path = translation_of(english_path, lang)
         nb = read(path)
-        nb.metadata.setdefault("distcourse", {}).setdefault("translation", {})["english_prose"] = now
+        record_english(nb, english)
         write(nb, path)
         print(f"{path.relative_to(ROOT)}: translated from English prose {now}")
     return 0
@@ -483,7 +559,9 @@ def cmd_figure_texts(args) -> int:
 def cmd_status(args) -> int:
     bad = 0
     for row in status():
-        print(f"{row['chapter']:32s} {row['language']:6s} {row['state']}")
+        cells = row.get("cells")
+        where = "" if row["state"] != "behind" else f" (cells {', '.join(cells)})" if cells else " (cells not recorded)"
+        print(f"{row['chapter']:32s} {row['language']:6s} {row['state']}{where}")
         for problem in row["code"]:
             print(f"    code drift: {problem}")
         bad += row["state"] == "missing" or bool(row["code"])
@@ -503,6 +581,13 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("lang", choices=TRANSLATED)
     p.add_argument("workfile", type=pathlib.Path)
     p.add_argument("--chapter", help="chapter number or stem (default: the digits the work file's name starts with)")
+    p.add_argument(
+        "--unchanged",
+        action="append",
+        default=[],
+        metavar="CELL_ID",
+        help="a cell whose English changed but whose translation already says the same (repeatable; 'all': every one)",
+    )
     p.set_defaults(run=cmd_apply)
     p = sub.add_parser("sync", help="copy the English code cells into every translation")
     p.add_argument("paths", nargs="*", type=pathlib.Path)

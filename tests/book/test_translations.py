@@ -39,6 +39,7 @@ def test_chapter_is_translated(english, lang):
     meta = translations.recorded(translations.read(path))
     assert meta.get("language") == lang and meta.get("english") == f"chapters/en/{english.name}"
     assert re.fullmatch(r"[0-9a-f]{12}", meta.get("english_prose", "")), "no English revision recorded"
+    assert meta.get("english_cells"), "no per-cell English fingerprints recorded (tools/translations.py mark-current)"
 
 
 @pytest.mark.parametrize("english, lang", PAIRS, ids=PAIR_IDS)
@@ -340,6 +341,55 @@ def test_status_command_fails_on_missing_translation(scratch):
     )
     assert result.returncode == 1
     assert "02-data-parallel                 pt-BR  missing" in result.stdout
+
+
+def _english_cell_changed(scratch, stem: str) -> tuple[pathlib.Path, str]:
+    """Change one markdown cell of an English chapter in ``scratch``; its id."""
+    english = scratch / f"chapters/en/{stem}.ipynb"
+    nb = nbformat.read(english, as_version=4)
+    cell = next(c for c in nb.cells[2:] if c.cell_type == "markdown")
+    cell.source += "\n\nOne more sentence."
+    nbformat.write(nb, english)
+    return english, cell.get("id")
+
+
+def test_apply_refuses_a_work_file_that_keeps_the_old_translation_of_changed_english(scratch):
+    english, changed = _english_cell_changed(scratch, "03-collectives")
+    ru = scratch / "chapters/ru/03-collectives.ipynb"
+    (row,) = [r for r in translations.status(scratch) if r["path"] == ru]
+    assert row["state"] == "behind" and row["cells"] == [changed]  # status names the cell
+    work = translations.extract(translations.read(english), translations.read(ru))  # the translator's work file
+    before = ru.read_bytes()
+    with pytest.raises(ValueError, match=f"cell\\(s\\) {changed} changed"):
+        translations.apply(english, "ru", work)
+    assert ru.read_bytes() == before  # nothing written
+
+    # A translator who checked the cell and found it already right says so: then it applies.
+    translations.apply(english, "ru", work, unchanged=(changed,))
+    assert translations.changed_cells(translations.read(english), translations.read(ru)) == []
+
+    # Translating the changed cell is the ordinary way: the work file's text of that cell differs.
+    english, again = _english_cell_changed(scratch, "03-collectives")
+    work = translations.extract(translations.read(english), translations.read(ru))
+    old = translations.read(ru)
+    text = next(c.source for c in old.cells if c.get("id") == again)
+    translations.apply(english, "ru", work.replace(text, text + "\n\nЕщё одно предложение."))
+    applied = translations.read(ru)
+    assert translations.recorded(applied)["english_prose"] == translations.prose_fingerprint(translations.read(english))
+    assert any(c.source.endswith("Ещё одно предложение.") for c in applied.cells)
+
+
+def test_apply_refuses_a_cell_the_english_gained_left_in_english(scratch):
+    english = scratch / "chapters/en/03-collectives.ipynb"
+    nb = nbformat.read(english, as_version=4)
+    new = nbformat.v4.new_markdown_cell("A new paragraph of English.")
+    nb.cells.insert(3, new)
+    nbformat.write(nb, english)
+    work = translations.extract(
+        translations.read(english), translations.read(scratch / "chapters/ko/03-collectives.ipynb")
+    )
+    with pytest.raises(ValueError, match=new.id):
+        translations.apply(english, "ko", work)
 
 
 def test_search_index_splits_cjk_text_into_pairs():
