@@ -167,7 +167,7 @@ def reference(factor: float | None = CAPACITY_FACTOR, world: int = WORLD, tokens
 
 
 def loss_terms(world: int = WORLD, tokens: int = TOKENS) -> int:
-    """Additions behind the gradients: along the layers forward and backward, then over the batch."""
+    """Additions behind the gradients: across each layer's width forward and backward, then over the batch."""
     s = SIZES
     return 2 * (s["inputs"] + s["hidden"] + s["ffn"] + s["hidden"] + s["classes"]) + world * tokens
 

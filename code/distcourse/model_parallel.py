@@ -91,7 +91,7 @@ def two_stage_model(width: int = 32, depth: int = 1, work=0.0, seed: int = 0) ->
 
 def step_terms(width: int = 32, depth: int = 1, batch: int = 64) -> int:
     """The additions behind one gradient of ``two_stage_model(width, depth)``: ``terms`` for
-    ``common.numerics``. Forward and backward each add along the layers (64 pixels, the
+    ``common.numerics``. Forward and backward each add across each layer's width (64 pixels, the
     ``2 depth - 1`` hidden layers of ``width``, 10 classes), then the weight gradients over the batch."""
     return 2 * (64 + (2 * depth - 1) * width + 10) + batch
 

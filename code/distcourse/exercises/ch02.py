@@ -35,7 +35,7 @@ def check_weighted_reduce(reduce) -> bool:
                     "every replica must end up with the same gradient"
                 ).format(size=size, k=k)
             )
-        # the step's sums: along the layers (64 pixels, 16 hidden units, 10 classes) forward and
+        # the step's sums: across each layer's width (64 pixels, 16 hidden units, 10 classes) forward and
         # backward, then over the batch (common.numerics)
         elif not numerics.close(dp.params_of(replicas[0]), dp.params_of(reference), terms=2 * (64 + 16 + 10) + size):
             problems.append(
