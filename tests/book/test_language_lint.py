@@ -497,6 +497,7 @@ def test_english_words_skip_identifiers_units_and_fields():
         ("ko", "실무의 파이프라인은", "실제 파이프라인은"),
         ("ko", "이 데모들(2절과 3절)이", "이 데모(2절과 3절)가"),
         ("ko", "계산합니다. 그러니 DDP에서는", "계산합니다. 따라서 DDP에서는"),
+        ("ko", "dtype과 합의 길이에 달려 있습니다", "dtype과 더하는 항의 개수에 달려 있습니다"),
         ("pt-BR", "versões mais novas do Slurm", "versões mais recentes do Slurm"),
         ("pt-BR", "as versões posteriores avisam isso no log", "as versões posteriores registram um aviso no log"),
         ("pt-BR", "cronometra a cópia de forma justa", "cronometra a cópia em condições iguais"),
