@@ -501,11 +501,22 @@ def test_english_words_skip_identifiers_units_and_fields():
         ("pt-BR", "versões mais novas do Slurm", "versões mais recentes do Slurm"),
         ("pt-BR", "as versões posteriores avisam isso no log", "as versões posteriores registram um aviso no log"),
         ("pt-BR", "cronometra a cópia de forma justa", "cronometra a cópia em condições iguais"),
+        ("zh-CN", "每步 15 360 个序列", "每步 15,360 个序列"),
+        ("zh-TW", "16 384 張 H100", "16,384 張 H100"),
+        ("zh-TW", "在第 90 000 步耗盡記憶體", "在第 90,000 步耗盡記憶體"),
+        ("ko", "H100 16 384개", "H100 16,384개"),
     ],
 )
 def test_terms_catch_the_reviewers_splits(lang, bad, good):
     assert term_findings(lang, bad), bad
     assert term_findings(lang, good) == [], good
+
+
+def test_digit_grouping_rule_reads_numbers_not_names():
+    # A model's size or a dtype next to a number is not a number grouped with a space.
+    assert term_findings("zh-CN", "Llama 3 405B 训练时") == []
+    assert term_findings("zh-TW", "Llama 3.1 70B 稠密模型") == []
+    assert term_findings("ko", "bf16 989 TFLOP/s, TF32 495 TFLOP/s") == []
 
 
 def test_terms_respect_where_an_entry_applies():
