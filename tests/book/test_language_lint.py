@@ -766,6 +766,7 @@ def particles(markdown: str) -> list[str]:
         ("`cuda:0`와 `cuda:1`에", "`cuda:0`과 `cuda:1`에"),  # 0 is 영 in the course, as in the style sheet
         ("`set_gradient_divide_factor(1.0)`로", "`set_gradient_divide_factor(1.0)`으로"),  # 일 점 영
         ("`nn.Linear(32, 10)`로 바꿉니다.", "`nn.Linear(32, 10)`으로 바꿉니다."),  # 십
+        ("`all_to_all_single`를 실행합니다.", "`all_to_all_single`을 실행합니다."),  # 싱글: ㄹ
     ],
 )
 def test_particles_follow_how_the_word_is_read(bad, good):
