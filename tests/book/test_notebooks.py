@@ -118,3 +118,63 @@ def test_header_check_compares_without_writing(tmp_path):
     assert headers.update(notebook, tmp_path) is True
     assert "A stale line" not in notebook.read_text(encoding="utf-8")
     assert headers.update(notebook, tmp_path, write=False) is False
+
+
+def _package_aliases(nb) -> dict[str, str]:
+    """Names a notebook's code binds to modules of the companion package: alias -> module path."""
+    aliases = {"distcourse": "distcourse"}
+    for cell in nb.cells:
+        if cell.cell_type != "code":
+            continue
+        source = "\n".join("" if line.lstrip().startswith(("%", "!")) else line for line in cell.source.splitlines())
+        try:
+            tree = ast.parse(source)
+        except SyntaxError:
+            continue
+        for node in ast.walk(tree):
+            if isinstance(node, ast.ImportFrom) and (node.module or "").startswith("distcourse"):
+                for name in node.names:
+                    aliases[name.asname or name.name] = f"{node.module}.{name.name}"
+            elif isinstance(node, ast.Import):
+                for name in node.names:
+                    if name.name.startswith("distcourse") and name.asname:
+                        aliases[name.asname] = name.name
+    return aliases
+
+
+FILE_SUFFIXES = {"py", "ipynb", "json", "jsonl", "txt", "pt", "md", "yml", "yaml", "csv"}  # `metrics.jsonl`: a file
+# Quoted code whose name is a variable, not the module: chapter 04 quotes `ddp.no_sync()`, the
+# DDP-wrapped model that distcourse/ddp.py itself calls `ddp`.
+NOT_THE_MODULE = {("ddp", "no_sync")}
+
+
+@pytest.mark.parametrize("path", NOTEBOOKS, ids=ids)
+def test_package_names_in_the_text_exist(path):
+    """`module.name` in a chapter's prose (and its markdown code blocks) names something the package has.
+
+    A function that moved to another module would otherwise leave the text (and its translations)
+    pointing readers, and the exercises, at a name that raises AttributeError."""
+    import importlib
+
+    nb = nbformat.read(path, as_version=4)
+    aliases = _package_aliases(nb)
+    missing = []
+    for i, cell in enumerate(nb.cells):
+        if cell.cell_type != "markdown":
+            continue
+        # Code as the text shows it: fenced blocks and inline code spans (not links to files).
+        code = re.findall(r"```.*?```|`[^`\n]+`", cell.source, flags=re.S)
+        for alias, attribute in re.findall(r"(?<![\w./])([A-Za-z_]\w*)\.([A-Za-z_]\w*)", "\n".join(code)):
+            if alias not in aliases or attribute in FILE_SUFFIXES or (alias, attribute) in NOT_THE_MODULE:
+                continue
+            try:
+                module = importlib.import_module(aliases[alias])
+            except ImportError:  # a name imported from a module, not a module: not this test's business
+                continue
+            if hasattr(module, attribute):
+                continue
+            try:  # a submodule the package does not import itself: distcourse.scripts
+                importlib.import_module(f"{aliases[alias]}.{attribute}")
+            except ImportError:
+                missing.append(f"cell {i}: {alias}.{attribute}")
+    assert missing == [], missing
