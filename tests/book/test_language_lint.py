@@ -498,6 +498,8 @@ def test_english_words_skip_identifiers_units_and_fields():
         ("ko", "이 데모들(2절과 3절)이", "이 데모(2절과 3절)가"),
         ("ko", "계산합니다. 그러니 DDP에서는", "계산합니다. 따라서 DDP에서는"),
         ("ko", "dtype과 합의 길이에 달려 있습니다", "dtype과 더하는 항의 개수에 달려 있습니다"),
+        ("ko", "랭크 간 합의 그래디언트", "랭크 간에 더한 그래디언트"),
+        ("ko", "n항 합의 반올림 오차", "항 n개를 더할 때의 반올림 오차"),
         ("pt-BR", "versões mais novas do Slurm", "versões mais recentes do Slurm"),
         ("pt-BR", "as versões posteriores avisam isso no log", "as versões posteriores registram um aviso no log"),
         ("pt-BR", "cronometra a cópia de forma justa", "cronometra a cópia em condições iguais"),
