@@ -4,6 +4,7 @@
 """
 
 import ast
+import importlib
 import pathlib
 import re
 import shutil
@@ -154,8 +155,6 @@ def test_package_names_in_the_text_exist(path):
 
     A function that moved to another module would otherwise leave the text (and its translations)
     pointing readers, and the exercises, at a name that raises AttributeError."""
-    import importlib
-
     nb = nbformat.read(path, as_version=4)
     aliases = _package_aliases(nb)
     missing = []
