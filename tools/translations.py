@@ -528,16 +528,45 @@ def cmd_sync(args) -> int:
     return 0
 
 
+def mark_current(english_path: pathlib.Path, lang: str, cells: tuple[str, ...]) -> list[str]:
+    """Record that the translation into ``lang`` follows the current English of ``cells`` (cell ids
+    from ``status``; "all": every changed cell) and return the changed cells still not recorded.
+
+    Only the named cells are recorded: a cell whose English changed after the translator looked
+    (or that the translator did not carry) stays behind and ``status`` keeps naming it. The whole
+    translation is current once no changed cell is left.
+    """
+    english = read(english_path)
+    path = translation_of(english_path, lang)
+    nb = read(path)
+    now = cell_fingerprints(english)
+    changed = changed_cells(english, nb)
+    if changed is None:  # no per-cell record: any cell may have changed
+        changed = list(now)
+    named = changed if "all" in cells else list(cells)
+    unknown = [key for key in named if key not in now]
+    if unknown:
+        raise ValueError(f"{path.relative_to(ROOT)}: no cell with prose has the id(s) {', '.join(unknown)}")
+    left = [key for key in changed if key not in named]
+    if not left:
+        record_english(nb, english)
+    else:
+        meta = nb.metadata.setdefault("distcourse", {}).setdefault("translation", {})
+        meta["english_cells"] = {**meta.get("english_cells", {}), **{key: now[key] for key in named}}
+    write(nb, path)
+    return left
+
+
 def cmd_mark_current(args) -> int:
     english_path = chapter(args.chapter)
-    english = read(english_path)
-    now = prose_fingerprint(english)
     for lang in args.langs or TRANSLATED:
-        path = translation_of(english_path, lang)
-        nb = read(path)
-        record_english(nb, english)
-        write(nb, path)
-        print(f"{path.relative_to(ROOT)}: translated from English prose {now}")
+        try:
+            left = mark_current(english_path, lang, tuple(args.cell))
+        except ValueError as err:
+            print(err, file=sys.stderr)
+            return 1
+        path = translation_of(english_path, lang).relative_to(ROOT)
+        print(f"{path}: " + (f"still behind in cells {', '.join(left)}" if left else "follows the current English"))
     return 0
 
 
@@ -594,11 +623,19 @@ def parser() -> argparse.ArgumentParser:
     p.set_defaults(run=cmd_sync)
     p = sub.add_parser(
         "mark-current",
-        help="record that translations already follow the current English prose "
-        "(after editing English and every translation in the same change)",
+        help="record that the named cells of translations follow the current English prose "
+        "(after carrying an English edit into them)",
     )
     p.add_argument("chapter", help=chapter_help)
     p.add_argument("langs", nargs="*", help="default: every translation")
+    p.add_argument(
+        "--cell",
+        action="append",
+        required=True,
+        metavar="CELL_ID",
+        help="a cell whose translation now says what its English says (repeatable; ids from status; "
+        "'all': every changed cell)",
+    )
     p.set_defaults(run=cmd_mark_current)
     p = sub.add_parser("figure-texts", help="print a figure-text catalog template (YAML) for a language")
     p.add_argument("lang", choices=TRANSLATED)

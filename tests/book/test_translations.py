@@ -392,6 +392,35 @@ def test_apply_refuses_a_cell_the_english_gained_left_in_english(scratch):
         translations.apply(english, "ko", work)
 
 
+def test_mark_current_records_only_the_cells_it_is_told(scratch, monkeypatch):
+    monkeypatch.setattr(translations, "ROOT", scratch)
+    english = scratch / "chapters/en/03-collectives.ipynb"
+    nb = nbformat.read(english, as_version=4)
+    first, second = [c for c in nb.cells[2:] if c.cell_type == "markdown"][:2]
+    first.source += "\n\nOne more sentence."
+    second.source += "\n\nAnother sentence."
+    nbformat.write(nb, english)
+    zh = scratch / "chapters/zh-TW/03-collectives.ipynb"
+    assert sorted(translations.changed_cells(translations.read(english), translations.read(zh))) == sorted(
+        [first.id, second.id]
+    )
+    # A translator who carried the first cell records that one; the second stays behind.
+    assert translations.mark_current(english, "zh-TW", (first.id,)) == [second.id]
+    assert translations.changed_cells(translations.read(english), translations.read(zh)) == [second.id]
+    with pytest.raises(ValueError, match="no-such-cell"):
+        translations.mark_current(english, "zh-TW", ("no-such-cell",))
+    assert translations.mark_current(english, "zh-TW", (second.id,)) == []
+    assert translations.changed_cells(translations.read(english), translations.read(zh)) == []
+    # "all" records every changed cell at once.
+    assert translations.mark_current(english, "pt-BR", ("all",)) == []
+    assert (
+        translations.changed_cells(
+            translations.read(english), translations.read(scratch / "chapters/pt-BR/03-collectives.ipynb")
+        )
+        == []
+    )
+
+
 def test_search_index_splits_cjk_text_into_pairs():
     from sphinx.search.en import SearchEnglish
 
