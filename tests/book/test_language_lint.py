@@ -507,6 +507,8 @@ def test_english_words_skip_identifiers_units_and_fields():
         ("zh-TW", "16 384 張 H100", "16,384 張 H100"),
         ("zh-TW", "在第 90 000 步耗盡記憶體", "在第 90,000 步耗盡記憶體"),
         ("ko", "H100 16 384개", "H100 16,384개"),
+        ("ko", "랭크마다 다르게 시드하세요", "랭크마다 시드를 다르게 지정하세요"),
+        ("ko", "같은 값으로 시드한 생성기", "같은 시드를 지정한 생성기"),
     ],
 )
 def test_terms_catch_the_reviewers_splits(lang, bad, good):
