@@ -502,7 +502,7 @@ def test_english_words_skip_identifiers_units_and_fields():
         ("ko", "랭크 간 합의 그래디언트", "랭크 간에 더한 그래디언트"),
         ("ko", "n항 합의 반올림 오차", "항 n개를 더할 때의 반올림 오차"),
         ("pt-BR", "versões mais novas do Slurm", "versões mais recentes do Slurm"),
-        ("pt-BR", "segundos por parte do capítulo, relatados no final", "segundos por parte do capítulo, mostrados no final"),
+        ("pt-BR", "por parte do capítulo, relatados no final", "por parte do capítulo, mostrados no final"),
         ("pt-BR", "as versões posteriores avisam isso no log", "as versões posteriores registram um aviso no log"),
         ("pt-BR", "cronometra a cópia de forma justa", "cronometra a cópia em condições iguais"),
         ("zh-CN", "每步 15 360 个序列", "每步 15,360 个序列"),
